@@ -1,0 +1,337 @@
+"""Typed configuration: one dataclass tree per experiment is the single source of truth.
+
+A user sets values three ways, merged in this order onto the dataclass defaults:
+YAML files (`--config file.yaml`), then `key=value` overrides in Hydra's syntax
+(`actor.optimizer.lr=1e-5`, `gen.stop_token_ids=[2,3]`). The result is converted back to
+the dataclasses with `OmegaConf.to_object`, validated once (every problem reported together),
+written to the run directory, and shipped to workers as data.
+
+Every field carries a help text in `field(metadata={"help": ...})`; `help_field` builds one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import typing
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error; the message lists every problem found."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {problem}" for problem in self.problems)
+        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+
+
+def help_field(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any) -> Any:
+    """A dataclass field with a help text; mutable defaults go through `default_factory`."""
+    metadata = {"help": help}
+    if default is not dataclasses.MISSING and isinstance(default, (list, dict, set)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata=metadata, **kwargs)
+    if default is not dataclasses.MISSING and dataclasses.is_dataclass(default):
+        value = default
+        return field(default_factory=lambda: dataclasses.replace(value), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
+
+
+class LaunchMode(str, enum.Enum):
+    local = "local"
+    slurm = "slurm"
+
+
+class RecoverMode(str, enum.Enum):
+    disabled = "disabled"
+    auto = "auto"
+    resume = "resume"
+
+
+class WandbMode(str, enum.Enum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+    auto = "auto"
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = help_field(
+        WandbMode.auto,
+        "online | offline | disabled | auto (online when an API key is configured, else offline).",
+    )
+    project: str | None = help_field(None, "wandb project; defaults to experiment_name.")
+    entity: str | None = help_field(None, "wandb entity (team or user).")
+    group: str | None = help_field(None, "wandb run group; defaults to trial_name.")
+    tags: list[str] = help_field([], "wandb tags.")
+
+
+@dataclass
+class SlurmConfig:
+    partition: str | None = help_field(None, "sbatch --partition.")
+    account: str | None = help_field(None, "sbatch --account.")
+    qos: str | None = help_field(None, "sbatch --qos.")
+    time_limit: str | None = help_field(None, "sbatch --time, e.g. '2-00:00:00'.")
+    exclusive: bool = help_field(False, "sbatch --exclusive.")
+    nodelist: str | None = help_field(None, "sbatch --nodelist.")
+    exclude: str | None = help_field(None, "sbatch --exclude.")
+    cpus_per_task: int | None = help_field(None, "CPUs per worker task (default: node CPUs / tasks).")
+    mem_per_task_mb: int | None = help_field(None, "Memory per task in MB.")
+    gpu_request: str = help_field("gres", "How GPUs are requested: 'gres' (--gres=gpu:N) or 'gpus'.")
+    container_image: str | None = help_field(None, "pyxis --container-image for every srun step.")
+    singularity_image: str | None = help_field(None, "Run every task under `singularity exec`.")
+    extra_sbatch_args: list[str] = help_field([], "Extra sbatch arguments, verbatim.")
+    extra_srun_args: list[str] = help_field([], "Extra srun arguments, verbatim.")
+    env: dict[str, str] = help_field({}, "Environment variables exported to every task.")
+    poll_interval_s: float = help_field(2.0, "How often the launcher polls squeue/sacct.")
+
+
+@dataclass
+class BaseExperimentConfig:
+    """Keys every experiment has. Experiments subclass this and add their own sections."""
+
+    experiment_name: str = help_field("", "Name of the experiment; defaults to the registered name.")
+    trial_name: str = help_field("trial0", "Name of this trial; runs of one experiment differ here.")
+    output_root: str = help_field(
+        "./runs", "Root of run directories: <output_root>/<experiment_name>/<trial_name>."
+    )
+    seed: int = help_field(1, "Global random seed (data order, sampling, initialisation).")
+    mode: LaunchMode = help_field(LaunchMode.local, "Where to launch: local | slurm.")
+    n_nodes: int = help_field(1, "Number of nodes.")
+    n_devices_per_node: int = help_field(
+        1, "GPUs per node, or model-worker processes per node on a CPU-only machine."
+    )
+    allocation_mode: str = help_field(
+        "auto",
+        "Parallel layout: 'auto', a global layout such as 'd2t1', or per-MFC layouts such as "
+        "'actor_gen:d2,actor_train:d1t2,*:d2' (optionally '@0-1' to pin ranks).",
+    )
+    total_train_steps: int = help_field(20, "Number of training steps (graph executions).")
+    save_freq_steps: int = help_field(0, "Save a checkpoint every N steps (0: only at the end).")
+    recover_mode: RecoverMode = help_field(
+        RecoverMode.disabled,
+        "disabled | auto (resume from the last complete checkpoint if one exists) | resume "
+        "(require one).",
+    )
+    recover_retries: int = help_field(1, "With recover_mode=auto on SLURM: resubmissions on failure.")
+    wandb: WandbConfig = help_field(WandbConfig(), "Weights & Biases logging.")
+    tensorboard: bool = help_field(True, "Write tensorboard event files when tensorboard is installed.")
+    slurm: SlurmConfig = help_field(SlurmConfig(), "SLURM options, used with mode=slurm.")
+
+    def validate(self) -> list[str]:
+        """Cross-field checks; subclasses extend and call super(). Returns every problem."""
+        problems = []
+        if self.n_nodes < 1:
+            problems.append(f"`n_nodes={self.n_nodes}` must be at least 1.")
+        if self.n_devices_per_node < 1:
+            problems.append(f"`n_devices_per_node={self.n_devices_per_node}` must be at least 1.")
+        if self.total_train_steps < 1:
+            problems.append(f"`total_train_steps={self.total_train_steps}` must be at least 1.")
+        if self.save_freq_steps < 0:
+            problems.append(f"`save_freq_steps={self.save_freq_steps}` must be >= 0.")
+        for name, value in (("experiment_name", self.experiment_name), ("trial_name", self.trial_name)):
+            if "/" in value or value in (".", ".."):
+                problems.append(f"`{name}={value}` must be a plain name without '/'.")
+        return problems
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_root) / self.experiment_name / self.trial_name
+
+    @property
+    def n_workers(self) -> int:
+        return self.n_nodes * self.n_devices_per_node
+
+
+# --------------------------------------------------------------------------- introspection
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    key: str  # dotted path, e.g. "actor.optimizer.lr"
+    type_name: str
+    default: Any
+    help: str
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        if issubclass(annotation, enum.Enum):
+            return " | ".join(member.value for member in annotation)
+        return annotation.__name__
+    text = str(annotation).replace("typing.", "")
+    return text.replace("NoneType", "None")
+
+
+def iter_fields(config_class: type, prefix: str = "") -> Iterator[FieldInfo]:
+    """Every leaf field of a config dataclass tree, depth first, with its dotted key."""
+    hints = typing.get_type_hints(config_class)
+    for dataclass_field in dataclasses.fields(config_class):
+        key = f"{prefix}{dataclass_field.name}"
+        annotation = hints[dataclass_field.name]
+        if dataclass_field.default is not dataclasses.MISSING:
+            default = dataclass_field.default
+        elif dataclass_field.default_factory is not dataclasses.MISSING:
+            default = dataclass_field.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            yield from iter_fields(annotation, prefix=f"{key}.")
+            continue
+        if isinstance(default, enum.Enum):
+            default = default.value
+        yield FieldInfo(key, _type_name(annotation), default, dataclass_field.metadata.get("help", ""))
+
+
+def all_keys(config_class: type) -> list[str]:
+    """Every dotted key a user may set, including the section names."""
+    keys = []
+    for info in iter_fields(config_class):
+        parts = info.key.split(".")
+        keys.extend(".".join(parts[: i + 1]) for i in range(len(parts)))
+    return sorted(set(keys))
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.5)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        close = [c for c in candidates if c.rsplit(".", 1)[-1] == leaf][:3]
+    return f"; did you mean {', '.join(f'`{c}`' for c in close)}?" if close else ""
+
+
+def _is_open_dict_key(config_class: type, key: str) -> bool:
+    """True if `key` lies under a `dict[...]` field (such as `slurm.env.FOO`): free-form keys."""
+    parts = key.split(".")
+    current: Any = config_class
+    for part in parts[:-1]:
+        if not (isinstance(current, type) and dataclasses.is_dataclass(current)):
+            return False
+        hints = typing.get_type_hints(current)
+        if part not in hints:
+            return False
+        current = hints[part]
+        if typing.get_origin(current) is dict:
+            return True
+    return False
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+    """Parse Hydra-syntax `key=value` overrides into (key, python value) pairs."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, OverrideParseException
+
+    parser = OverridesParser.create()
+    parsed: list[tuple[str, Any]] = []
+    problems = []
+    for text in overrides:
+        if "=" not in text:
+            problems.append(f"`{text}` is not an override: write `key=value`.")
+            continue
+        try:
+            (override,) = parser.parse_overrides([text])
+        except (OverrideParseException, HydraException) as exc:
+            problems.append(f"`{text}` cannot be parsed: {str(exc).splitlines()[0]}")
+            continue
+        if override.is_delete() or override.is_add():
+            problems.append(f"`{text}`: '+' and '~' are not supported; write `key=value`.")
+            continue
+        if override.is_sweep_override():
+            # realrl runs no sweeps: `a=x,y` is the plain string "x,y" (e.g. allocation_mode).
+            parsed.append((override.key_or_group, text.split("=", 1)[1]))
+        else:
+            parsed.append((override.key_or_group, override.value()))
+    if problems:
+        raise ConfigError(problems)
+    return parsed
+
+
+def resolve_config(
+    config_class: type,
+    overrides: Sequence[str] = (),
+    config_files: Sequence[str | Path] = (),
+    defaults: dict[str, Any] | None = None,
+) -> Any:
+    """Compose `config_class` defaults, `defaults`, YAML files and overrides; validate all.
+
+    Raises `ConfigError` listing every unknown key (with the nearest valid ones), every type
+    error (key, value, expected type) and every cross-field problem from `validate()`.
+    """
+    config = OmegaConf.structured(config_class)
+    valid_keys = all_keys(config_class)
+    problems: list[str] = []
+
+    def apply(key: str, value: Any, origin: str) -> None:
+        if key not in valid_keys and not _is_open_dict_key(config_class, key):
+            problems.append(f"unknown key `{key}` ({origin}){_suggest(key, valid_keys)}")
+            return
+        try:
+            OmegaConf.update(config, key, value, merge=True)
+        except OmegaConfBaseException as exc:
+            expected = next((f.type_name for f in iter_fields(config_class) if f.key == key), "?")
+            reason = str(exc).splitlines()[0]
+            problems.append(
+                f"`{key}={value!r}` ({origin}) has the wrong type: expected {expected} ({reason})"
+            )
+
+    for key, value in (defaults or {}).items():
+        apply(key, value, "experiment default")
+    for path in config_files:
+        path = Path(path)
+        if not path.is_file():
+            problems.append(f"config file `{path}` does not exist.")
+            continue
+        try:
+            loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        except Exception as exc:  # yaml errors come in several types
+            problems.append(f"config file `{path}` is not valid YAML: {exc}")
+            continue
+        if not isinstance(loaded, dict):
+            problems.append(f"config file `{path}` must hold a mapping at the top level.")
+            continue
+        for key, value in _flatten(loaded):
+            apply(key, value, f"from {path}")
+    for key, value in parse_overrides(overrides):
+        apply(key, value, "command line")
+    if problems:
+        raise ConfigError(problems)
+    try:
+        instance = OmegaConf.to_object(config)
+    except OmegaConfBaseException as exc:
+        raise ConfigError([str(exc).splitlines()[0]]) from None
+    problems = instance.validate()
+    if problems:
+        raise ConfigError(problems)
+    return instance
+
+
+def _flatten(mapping: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            yield from _flatten(value, prefix=f"{dotted}.")
+        else:
+            yield dotted, value
+
+
+def to_yaml(config: Any) -> str:
+    """The resolved config as YAML (enums as their values)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def load_resolved_config(config_class: type, yaml_path: str | Path) -> Any:
+    """Read back a `config.yaml` written by `to_yaml` (for recovery and SLURM workers)."""
+    config = OmegaConf.merge(OmegaConf.structured(config_class), OmegaConf.load(yaml_path))
+    return OmegaConf.to_object(config)

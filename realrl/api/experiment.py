@@ -1,0 +1,139 @@
+"""What an experiment declares: model roles, MFCs, the dataset, plus shared config sections.
+
+An experiment's config dataclass (registered with `@register_experiment`) turns itself into an
+`ExperimentSpec` with `build()`. The spec is plain data: the launcher validates it, the master
+runs its graph, and each model worker receives the part it hosts.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from realrl.api.config import help_field
+from realrl.api.dfg import DataflowGraph, MFCDef, MicroBatchSpec
+
+
+class LRScheduler(str, enum.Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = help_field(1e-5, "Peak learning rate of AdamW.")
+    weight_decay: float = help_field(0.0, "AdamW weight decay.")
+    beta1: float = help_field(0.9, "AdamW beta1.")
+    beta2: float = help_field(0.999, "AdamW beta2.")
+    eps: float = help_field(1e-8, "AdamW epsilon.")
+    lr_scheduler: LRScheduler = help_field(LRScheduler.constant, "constant | linear | cosine decay.")
+    warmup_steps_proportion: float = help_field(
+        0.0, "Fraction of all optimizer steps spent in linear warm-up from 0."
+    )
+    min_lr_ratio: float = help_field(0.0, "Final learning rate of linear/cosine decay, over lr.")
+    gradient_clipping: float = help_field(1.0, "Max global gradient norm (0 disables clipping).")
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if self.lr < 0:
+            problems.append(f"`{prefix}.lr={self.lr}` must be >= 0.")
+        if not 0.0 <= self.warmup_steps_proportion <= 1.0:
+            problems.append(
+                f"`{prefix}.warmup_steps_proportion={self.warmup_steps_proportion}` must be in [0, 1]."
+            )
+        if self.gradient_clipping < 0:
+            problems.append(f"`{prefix}.gradient_clipping={self.gradient_clipping}` must be >= 0.")
+        return problems
+
+
+class DType(str, enum.Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+@dataclass
+class ModelRoleConfig:
+    """One model role: where its weights come from and how it is trained."""
+
+    path: str = help_field(
+        "", "Local Hugging Face checkpoint directory; empty: the built-in default model."
+    )
+    dtype: DType = help_field(DType.float32, "Parameter dtype (never float16 on CPU).")
+    gradient_checkpointing: bool = help_field(False, "Recompute activations in the backward pass.")
+    optimizer: OptimizerConfig = help_field(OptimizerConfig(), "Optimizer (trained roles only).")
+
+
+@dataclass
+class MFCConfig:
+    """Per-MFC execution settings."""
+
+    max_tokens_per_microbatch: int | None = help_field(
+        None, "Token budget of one micro-batch on one data-parallel rank; null: no budget."
+    )
+    min_num_microbatches: int = help_field(1, "At least this many micro-batches per rank.")
+
+    def microbatch_spec(self) -> MicroBatchSpec:
+        return MicroBatchSpec(self.max_tokens_per_microbatch, self.min_num_microbatches)
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            problems.append(
+                f"`{prefix}.max_tokens_per_microbatch={self.max_tokens_per_microbatch}` must be "
+                f">= 1 or null."
+            )
+        if self.min_num_microbatches < 1:
+            problems.append(f"`{prefix}.min_num_microbatches={self.min_num_microbatches}` must be >= 1.")
+        return problems
+
+
+class DatasetKind(str, enum.Enum):
+    prompt = "prompt"  # RL: {"prompt", "answer" | "solutions", "task", "input_output"?}
+    sft = "sft"  # {"prompt", "answer"}
+    paired = "paired"  # {"prompt", "pos_answers", "neg_answers"}
+
+
+@dataclass
+class DatasetConfig:
+    path: str = help_field("", "JSONL file; empty: the built-in synthetic arithmetic data.")
+    batch_size: int = help_field(16, "Samples (prompts or pairs) per training step.")
+    max_prompt_len: int = help_field(256, "Prompts with more tokens are dropped (counted in the log).")
+    max_seq_len: int = help_field(512, "SFT/RW/DPO sequences are truncated to this many tokens.")
+    shuffle: bool = help_field(True, "Shuffle each epoch (seeded by `seed`).")
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if self.batch_size < 1:
+            problems.append(f"`{prefix}.batch_size={self.batch_size}` must be >= 1.")
+        if self.max_prompt_len < 1:
+            problems.append(f"`{prefix}.max_prompt_len={self.max_prompt_len}` must be >= 1.")
+        return problems
+
+
+class ModelKind(str, enum.Enum):
+    lm = "lm"  # causal language model with an LM head
+    critic = "critic"  # the same trunk with a scalar value head
+    rule = "rule"  # no weights: a rule-based reward (math/code verifiers)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model role as the runtime sees it."""
+
+    role: str
+    kind: ModelKind
+    config: ModelRoleConfig | None = None  # None for rule-based roles
+    trainable: bool = False
+
+
+@dataclass
+class ExperimentSpec:
+    models: dict[str, ModelSpec]
+    mfcs: list[MFCDef]
+    dataset_kind: DatasetKind
+    dataset_keys: tuple[str, ...]
+    notes: list[str] = field(default_factory=list)  # printed by --dry-run (e.g. dropped MFCs)
+
+    def graph(self) -> DataflowGraph:
+        return DataflowGraph(self.mfcs, self.dataset_keys, self.models)

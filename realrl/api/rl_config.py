@@ -1,0 +1,151 @@
+"""Config sections of the RL experiments: generation settings and PPO-family hyperparameters.
+
+`docs/algorithms.md` explains every key: which algorithm it selects and the exact formula.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from realrl.api.config import help_field
+
+
+@dataclass
+class GenerationHyperparameters:
+    max_new_tokens: int = help_field(16, "Most tokens generated per response.")
+    min_new_tokens: int = help_field(0, "EOS and stop tokens are masked before this many tokens.")
+    greedy: bool = help_field(False, "Greedy decoding (ignores temperature/top_k/top_p).")
+    temperature: float = help_field(1.0, "Sampling temperature.")
+    top_k: int = help_field(0, "Keep the k most likely tokens (0: off).")
+    top_p: float = help_field(1.0, "Nucleus sampling mass (1.0: off).")
+    stop_token_ids: list[int] = help_field([], "Extra token ids that end a response, besides EOS.")
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"`{prefix}.max_new_tokens={self.max_new_tokens}` must be >= 1.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            problems.append(
+                f"`{prefix}.min_new_tokens={self.min_new_tokens}` must be between 0 and "
+                f"`{prefix}.max_new_tokens={self.max_new_tokens}`."
+            )
+        if self.temperature <= 0 and not self.greedy:
+            problems.append(
+                f"`{prefix}.temperature={self.temperature}` must be > 0; for greedy decoding set "
+                f"`{prefix}.greedy=true`."
+            )
+        if not 0 < self.top_p <= 1:
+            problems.append(f"`{prefix}.top_p={self.top_p}` must be in (0, 1].")
+        if self.top_k < 0:
+            problems.append(f"`{prefix}.top_k={self.top_k}` must be >= 0.")
+        return problems
+
+
+class KLEstimator(str, enum.Enum):
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+
+
+class LossAggregation(str, enum.Enum):
+    token_mean = "token-mean"
+    seq_mean_token_sum = "seq-mean-token-sum"
+    seq_mean_token_mean = "seq-mean-token-mean"
+    seq_mean_token_sum_norm = "seq-mean-token-sum-norm"
+
+
+class ValueNormType(str, enum.Enum):
+    ema = "ema"
+    moving_average = "moving_average"
+
+
+ADVANTAGE_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+)
+
+
+@dataclass
+class PPOHyperparameters:
+    disable_value: bool = help_field(
+        False, "Critic-free training (GRPO-style): drops the critic MFCs; needs a group estimator."
+    )
+    adv_estimator: str = help_field(
+        "gae", f"Advantage estimator: {' | '.join(ADVANTAGE_ESTIMATORS)}."
+    )
+    num_minibatches: int = help_field(1, "PPO mini-batches per step (optimizer steps per epoch).")
+    num_epochs: int = help_field(1, "Passes over the step's batch.")
+    eps_clip: float = help_field(0.2, "PPO ratio clip range (low side, and high side by default).")
+    eps_clip_high: float | None = help_field(
+        None, "High-side clip range (DAPO clip-higher, e.g. 0.28); null: same as eps_clip."
+    )
+    dual_clip: float | None = help_field(
+        None, "Dual-clip constant c > 1 bounding the loss for negative advantages; null: off."
+    )
+    early_stop_imp_ratio: float | None = help_field(
+        None, "Skip a mini-batch update whose mean importance ratio exceeds this; null: off."
+    )
+    value_eps_clip: float = help_field(0.2, "Value clip range around the old values.")
+    kl_ctl: float = help_field(0.1, "KL coefficient; 0 drops the reference model (ref_inf).")
+    kl_estimator: KLEstimator = help_field(KLEstimator.k1, "KL estimator: k1 | k2 | k3.")
+    use_kl_loss: bool = help_field(
+        False, "Put KL in the policy loss (GRPO-style) instead of the per-token reward."
+    )
+    adaptive_kl: bool = help_field(False, "Adaptive KL controller (Ziegler et al. 2019).")
+    kl_target: float = help_field(6.0, "Adaptive KL target.")
+    kl_horizon: int = help_field(10000, "Adaptive KL horizon in samples.")
+    gamma: float = help_field(1.0, "Discount factor.")
+    lam: float = help_field(1.0, "GAE lambda.")
+    loss_agg_mode: LossAggregation = help_field(
+        LossAggregation.token_mean,
+        "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; the "
+        "denominator spans the whole mini-batch across micro-batches and data-parallel ranks.",
+    )
+    reward_scaling: float = help_field(1.0, "Task reward multiplier (applied after the bias).")
+    reward_bias: float = help_field(0.0, "Added to the task reward before scaling.")
+    reward_clip: float = help_field(20.0, "Clip task rewards to [-reward_clip, reward_clip].")
+    mask_no_eos_with_zero: bool = help_field(False, "Truncated responses get zero task reward.")
+    mask_truncated_in_loss: bool = help_field(False, "Truncated responses are left out of the loss.")
+    overlong_buffer_len: int = help_field(0, "DAPO overlong shaping: soft buffer length (0: off).")
+    overlong_penalty_factor: float = help_field(1.0, "DAPO overlong shaping: largest penalty.")
+    value_norm: bool = help_field(False, "Normalise critic targets with running statistics.")
+    value_norm_type: ValueNormType = help_field(ValueNormType.ema, "ema | moving_average.")
+    value_norm_beta: float = help_field(0.99995, "EMA decay of the value normaliser.")
+    adv_norm: bool = help_field(True, "Whiten advantages over the batch (across dp ranks).")
+    entropy_coef: float = help_field(0.0, "Entropy bonus coefficient (entropy is always logged).")
+    dynamic_sampling: bool = help_field(
+        False, "DAPO dynamic sampling: drop groups whose rewards are all equal and regenerate."
+    )
+    max_generation_rounds: int = help_field(
+        4, "Dynamic sampling: give up (with an error) after this many generation rounds."
+    )
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if self.adv_estimator not in ADVANTAGE_ESTIMATORS:
+            problems.append(
+                f"`{prefix}.adv_estimator={self.adv_estimator}` is unknown; choose one of "
+                f"{', '.join(ADVANTAGE_ESTIMATORS)}."
+            )
+        if self.disable_value and self.adv_estimator == "gae":
+            problems.append(
+                f"`{prefix}.disable_value=true` needs a critic-free estimator, but "
+                f"`{prefix}.adv_estimator=gae` uses the critic; try `{prefix}.adv_estimator=grpo`."
+            )
+        if self.num_minibatches < 1 or self.num_epochs < 1:
+            problems.append(f"`{prefix}.num_minibatches` and `{prefix}.num_epochs` must be >= 1.")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            problems.append(f"`{prefix}.dual_clip={self.dual_clip}` must be > 1 (or null).")
+        if self.kl_ctl < 0:
+            problems.append(f"`{prefix}.kl_ctl={self.kl_ctl}` must be >= 0.")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            problems.append(f"`{prefix}.gamma` and `{prefix}.lam` must be in [0, 1].")
+        if self.overlong_buffer_len < 0:
+            problems.append(f"`{prefix}.overlong_buffer_len={self.overlong_buffer_len}` must be >= 0.")
+        return problems

@@ -1,0 +1,64 @@
+"""dpo: direct preference optimisation against a frozen reference model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from realrl.api.config import BaseExperimentConfig, help_field
+from realrl.api.dfg import MFCDef, MFCKind
+from realrl.api.experiment import (
+    DatasetConfig,
+    DatasetKind,
+    ExperimentSpec,
+    MFCConfig,
+    ModelKind,
+    ModelRoleConfig,
+    ModelSpec,
+    OptimizerConfig,
+)
+from realrl.api.registry import register_experiment
+from realrl.interfaces.configs import DPOConfig, ReferenceConfig
+
+PAIRED_KEYS = ("packed_input_ids", "prompt_lens")
+
+
+@register_experiment("dpo")
+@dataclass
+class DPOExperimentConfig(BaseExperimentConfig):
+    """Direct preference optimisation on {"prompt", "pos_answers", "neg_answers"} pairs."""
+
+    actor: ModelRoleConfig = help_field(
+        ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-4)), "The policy being trained."
+    )
+    ref: ModelRoleConfig = help_field(ModelRoleConfig(), "Frozen reference; path empty: actor.path.")
+    dataset: DatasetConfig = help_field(DatasetConfig(batch_size=16), "Paired records.")
+    beta: float = help_field(0.1, "DPO inverse temperature beta.")
+    ref_inf: MFCConfig = help_field(MFCConfig(), "MFC ref_inf.")
+    actor_train: MFCConfig = help_field(MFCConfig(), "MFC actor_train.")
+
+    def validate(self) -> list[str]:
+        problems = super().validate() + self.dataset.validate("dataset")
+        problems += self.actor.optimizer.validate("actor.optimizer")
+        if self.beta <= 0:
+            problems.append(f"`beta={self.beta}` must be > 0.")
+        return problems + self.ref_inf.validate("ref_inf") + self.actor_train.validate("actor_train")
+
+    def build(self) -> ExperimentSpec:
+        batch_size = self.dataset.batch_size
+        ref_inf = MFCDef(
+            name="ref_inf", model_role="ref", kind=MFCKind.inference, interface="reference",
+            interface_config=ReferenceConfig(), input_keys=("packed_input_ids",),
+            output_keys=("packed_ref_logprobs",), batch_size=batch_size,
+            microbatch=self.ref_inf.microbatch_spec(),
+        )
+        actor_train = MFCDef(
+            name="actor_train", model_role="actor", kind=MFCKind.train_step, interface="dpo",
+            interface_config=DPOConfig(beta=self.beta),
+            input_keys=PAIRED_KEYS + ("packed_ref_logprobs",), batch_size=batch_size,
+            microbatch=self.actor_train.microbatch_spec(),
+        )
+        models = {
+            "actor": ModelSpec("actor", ModelKind.lm, self.actor, trainable=True),
+            "ref": ModelSpec("ref", ModelKind.lm, self.ref),
+        }
+        return ExperimentSpec(models, [ref_inf, actor_train], DatasetKind.paired, PAIRED_KEYS)

@@ -1,0 +1,162 @@
+"""ppo-math: PPO-family RL on math (and code) prompts with verifiable rewards.
+
+Six MFCs, edges from their keys:
+
+    actor_gen ──packed_input_ids──► rew_inf, ref_inf, critic_inf, actor_train, critic_train
+    rew_inf ──rewards──► actor_train, critic_train
+    ref_inf ──packed_ref_logprobs──► actor_train, critic_train
+    critic_inf ──values──► actor_train, critic_train
+
+`ppo.disable_value=true` drops the critic MFCs, `ppo.kl_ctl=0` drops `ref_inf`, and
+`ref_ema_eta` adds an EMA post-hook on `actor_train` that moves the reference toward the actor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from realrl.api.config import BaseExperimentConfig, help_field
+from realrl.api.dfg import MFCDef, MFCKind, ParamReallocHook
+from realrl.api.experiment import (
+    DatasetConfig,
+    DatasetKind,
+    ExperimentSpec,
+    MFCConfig,
+    ModelKind,
+    ModelRoleConfig,
+    ModelSpec,
+    OptimizerConfig,
+)
+from realrl.api.registry import register_experiment
+from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
+from realrl.interfaces.configs import (
+    PPOActorConfig,
+    PPOCriticConfig,
+    ReferenceConfig,
+    RuleRewardConfig,
+)
+
+PROMPT_KEYS = ("packed_prompts",)
+ROLLOUT_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")
+
+
+@dataclass
+class RewardSettings:
+    math_timeout_s: float = help_field(5.0, "Per-answer timeout of the math verifier.")
+    code_timeout_s: float = help_field(5.0, "Per-program wall-clock timeout of the code sandbox.")
+    num_workers: int = help_field(1, "Verifier/sandbox worker processes.")
+
+
+@register_experiment("ppo-math")
+@dataclass
+class PPOMathConfig(BaseExperimentConfig):
+    """PPO-family RL (PPO, GRPO, Dr.GRPO, DAPO, RLOO, REINFORCE++, ReMax) on math/code prompts."""
+
+    actor: ModelRoleConfig = help_field(
+        ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-4)), "The policy."
+    )
+    critic: ModelRoleConfig = help_field(
+        ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-4)),
+        "The value model; path empty: initialised from actor.path with a fresh value head.",
+    )
+    ref: ModelRoleConfig = help_field(
+        ModelRoleConfig(), "The frozen reference policy; path empty: actor.path."
+    )
+    dataset: DatasetConfig = help_field(DatasetConfig(batch_size=8), "Prompts.")
+    group_size: int = help_field(4, "Responses per prompt that enter training.")
+    generation_size: int | None = help_field(
+        None, "Responses generated per prompt; > group_size keeps the best (best-of-n)."
+    )
+    ref_ema_eta: float | None = help_field(
+        None, "After each actor_train: ref = eta * actor + (1 - eta) * ref; null: frozen ref."
+    )
+    gen: GenerationHyperparameters = help_field(GenerationHyperparameters(), "Generation.")
+    ppo: PPOHyperparameters = help_field(PPOHyperparameters(), "PPO-family hyperparameters.")
+    reward: RewardSettings = help_field(RewardSettings(), "Rule-based rewards.")
+    actor_gen: MFCConfig = help_field(MFCConfig(), "MFC actor_gen.")
+    rew_inf: MFCConfig = help_field(MFCConfig(), "MFC rew_inf.")
+    ref_inf: MFCConfig = help_field(MFCConfig(), "MFC ref_inf.")
+    critic_inf: MFCConfig = help_field(MFCConfig(), "MFC critic_inf.")
+    actor_train: MFCConfig = help_field(MFCConfig(), "MFC actor_train.")
+    critic_train: MFCConfig = help_field(MFCConfig(), "MFC critic_train.")
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        problems += self.dataset.validate("dataset") + self.gen.validate("gen")
+        problems += self.ppo.validate("ppo")
+        problems += self.actor.optimizer.validate("actor.optimizer")
+        problems += self.critic.optimizer.validate("critic.optimizer")
+        for name in ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"):
+            problems += getattr(self, name).validate(name)
+        if self.group_size < 1:
+            problems.append(f"`group_size={self.group_size}` must be >= 1.")
+        if self.generation_size is not None and self.generation_size < self.group_size:
+            problems.append(
+                f"`generation_size={self.generation_size}` must be >= `group_size={self.group_size}`."
+            )
+        if self.ref_ema_eta is not None and not 0 < self.ref_ema_eta <= 1:
+            problems.append(f"`ref_ema_eta={self.ref_ema_eta}` must be in (0, 1] or null.")
+        if self.ref_ema_eta is not None and self.ppo.kl_ctl == 0:
+            problems.append("`ref_ema_eta` is set but `ppo.kl_ctl=0` drops the reference model.")
+        if self.dataset.batch_size % self.ppo.num_minibatches:
+            problems.append(
+                f"`ppo.num_minibatches={self.ppo.num_minibatches}` must divide "
+                f"`dataset.batch_size={self.dataset.batch_size}`."
+            )
+        return problems
+
+    def build(self) -> ExperimentSpec:
+        use_critic = not self.ppo.disable_value
+        use_ref = self.ppo.kl_ctl > 0
+        batch_size = self.dataset.batch_size
+        train_inputs = ROLLOUT_KEYS + ("rewards",)
+        train_inputs += ("packed_ref_logprobs",) if use_ref else ()
+        train_inputs += ("values",) if use_critic else ()
+        actor_config = PPOActorConfig(
+            ppo=self.ppo,
+            generation=self.gen,
+            group_size=self.group_size,
+            generation_size=self.generation_size or self.group_size,
+        )
+
+        def mfc(name, role, kind, interface, config, inputs, outputs, **extra):
+            return MFCDef(name=name, model_role=role, kind=kind, interface=interface,
+                          interface_config=config, input_keys=inputs, output_keys=outputs,
+                          batch_size=batch_size,
+                          microbatch=getattr(self, name).microbatch_spec(), **extra)
+
+        actor_train_hooks = []
+        if use_ref and self.ref_ema_eta is not None:
+            actor_train_hooks.append(ParamReallocHook("actor", "ref", eta=self.ref_ema_eta))
+        mfcs = [
+            mfc("actor_gen", "actor", MFCKind.generate, "ppo_actor", actor_config, PROMPT_KEYS,
+                ROLLOUT_KEYS),
+            mfc("rew_inf", "reward", MFCKind.inference, "rule_reward",
+                RuleRewardConfig(**vars(self.reward)), ("packed_input_ids", "prompt_mask"),
+                ("rewards",)),
+            mfc("actor_train", "actor", MFCKind.train_step, "ppo_actor", actor_config,
+                train_inputs, (), post_hooks=actor_train_hooks),
+        ]
+        if use_ref:
+            mfcs.append(mfc("ref_inf", "ref", MFCKind.inference, "reference", ReferenceConfig(),
+                            ("packed_input_ids",), ("packed_ref_logprobs",)))
+        if use_critic:
+            critic_config = PPOCriticConfig(ppo=self.ppo)
+            mfcs.append(mfc("critic_inf", "critic", MFCKind.inference, "ppo_critic",
+                            critic_config, ("packed_input_ids", "seq_no_eos_mask"), ("values",)))
+            mfcs.append(mfc("critic_train", "critic", MFCKind.train_step, "ppo_critic",
+                            critic_config, train_inputs, ()))
+        models = {
+            "actor": ModelSpec("actor", ModelKind.lm, self.actor, trainable=True),
+            "reward": ModelSpec("reward", ModelKind.rule),
+        }
+        if use_ref:
+            models["ref"] = ModelSpec("ref", ModelKind.lm, self.ref)
+        if use_critic:
+            models["critic"] = ModelSpec("critic", ModelKind.critic, self.critic, trainable=True)
+        notes = []
+        if not use_critic:
+            notes.append("ppo.disable_value=true: critic_inf and critic_train are not in the graph.")
+        if not use_ref:
+            notes.append("ppo.kl_ctl=0: ref_inf is not in the graph.")
+        return ExperimentSpec(models, mfcs, DatasetKind.prompt, PROMPT_KEYS, notes)

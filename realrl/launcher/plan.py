@@ -1,0 +1,103 @@
+"""The launch plan: a resolved config turned into a validated graph, allocations and workers.
+
+Everything a run needs is decided here, in the launcher process, before any process starts;
+`--dry-run` prints it. Errors from every part are gathered into one report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from realrl.api.allocation import (
+    AllocationError,
+    MFCAllocation,
+    format_allocation_table,
+    parse_allocation_mode,
+    validate_model_divisibility,
+)
+from realrl.api.config import BaseExperimentConfig, ConfigError
+from realrl.api.dfg import DataflowGraph
+from realrl.api.experiment import ExperimentSpec, ModelKind
+
+
+@dataclass
+class WorkerLayout:
+    rank: int
+    node: int
+    device: int
+    roles: list[str]  # model roles this worker hosts a shard of
+    mfcs: list[str]
+
+
+@dataclass
+class LaunchPlan:
+    config: BaseExperimentConfig
+    spec: ExperimentSpec
+    graph: DataflowGraph
+    allocations: dict[str, MFCAllocation]
+    workers: list[WorkerLayout]
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.run_dir
+
+    def describe(self, config_yaml: str) -> str:
+        parts = [
+            "# resolved config\n" + config_yaml,
+            f"# dataflow graph ({len(self.graph.mfcs)} MFCs, dataset keys: "
+            f"{', '.join(self.graph.dataset_keys)})\n" + self.graph.describe(),
+        ]
+        if self.spec.notes:
+            parts.append("# notes\n" + "\n".join(f"- {note}" for note in self.spec.notes))
+        parts.append("# allocations\n" + format_allocation_table(self.allocations))
+        lines = [f"rank {w.rank} (node {w.node}, device {w.device}): roles {', '.join(w.roles)}; "
+                 f"MFCs {', '.join(w.mfcs)}" for w in self.workers]
+        parts.append(f"# workers ({len(self.workers)} model workers + 1 master)\n" + "\n".join(lines))
+        parts.append(f"# run directory\n{self.run_dir}")
+        return "\n\n".join(parts) + "\n"
+
+
+def _model_shape(path: str) -> dict | None:
+    """Head/vocab sizes from a checkpoint's config.json, for divisibility checks."""
+    config_file = Path(path) / "config.json"
+    if not path or not config_file.is_file():
+        return None
+    hf_config = json.loads(config_file.read_text())
+    heads = hf_config.get("num_attention_heads", hf_config.get("n_head"))
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": hf_config.get("num_key_value_heads", heads),
+        "vocab_size": hf_config.get("vocab_size"),
+        "intermediate_size": hf_config.get("intermediate_size", hf_config.get("n_inner") or 0),
+    }
+
+
+def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
+    spec = config.build()
+    graph = spec.graph()
+    problems: list[str] = []
+    try:
+        allocations = parse_allocation_mode(
+            config.allocation_mode, list(graph.mfcs), config.n_nodes, config.n_devices_per_node
+        )
+    except AllocationError as exc:
+        raise ConfigError([f"`allocation_mode={config.allocation_mode}`: {exc}"]) from None
+    for name, allocation in allocations.items():
+        model = spec.models[graph.mfcs[name].model_role]
+        if model.kind == ModelKind.rule or model.config is None:
+            continue
+        shape = _model_shape(model.config.path)
+        if shape is not None:
+            problems += [f"MFC `{name}`: {problem}"
+                         for problem in validate_model_divisibility(allocation, **shape)]
+    if problems:
+        raise ConfigError(problems)
+    workers = []
+    for rank in range(config.n_workers):
+        mfcs = [name for name, a in allocations.items() if rank in a.mesh.ranks]
+        roles = sorted({graph.mfcs[name].model_role for name in mfcs})
+        workers.append(WorkerLayout(rank, rank // config.n_devices_per_node,
+                                    rank % config.n_devices_per_node, roles, mfcs))
+    return LaunchPlan(config, spec, graph, allocations, workers)

@@ -1,0 +1,47 @@
+import pytest
+
+from realrl.api.config import resolve_config
+from realrl.api.dfg import ParamReallocHook
+from realrl.api.registry import get_experiment
+from realrl.experiments.ppo_math import PPOMathConfig
+
+SIX_MFCS = {"actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"}
+
+
+def ppo_graph(*overrides):
+    config = resolve_config(PPOMathConfig, list(overrides))
+    return config.build().graph()
+
+
+def test_ppo_math_has_six_mfcs_in_three_levels():
+    graph = ppo_graph()
+    assert set(graph.mfcs) == SIX_MFCS
+    assert graph.levels == [["actor_gen"], ["critic_inf", "ref_inf", "rew_inf"],
+                            ["actor_train", "critic_train"]]
+    assert graph.parents["actor_train"] == ["actor_gen", "critic_inf", "ref_inf", "rew_inf"]
+
+
+def test_ppo_math_without_value_drops_critic_mfcs():
+    graph = ppo_graph("ppo.disable_value=true", "ppo.adv_estimator=grpo")
+    assert set(graph.mfcs) == SIX_MFCS - {"critic_inf", "critic_train"}
+    assert "values" not in graph.mfcs["actor_train"].input_keys
+
+
+def test_ppo_math_with_zero_kl_drops_reference():
+    graph = ppo_graph("ppo.kl_ctl=0")
+    assert "ref_inf" not in graph.mfcs
+    assert "packed_ref_logprobs" not in graph.mfcs["actor_train"].input_keys
+
+
+def test_ref_ema_eta_adds_post_hook_on_actor_train():
+    graph = ppo_graph("ref_ema_eta=0.5")
+    assert graph.mfcs["actor_train"].post_hooks == [ParamReallocHook("actor", "ref", 0.5)]
+
+
+@pytest.mark.parametrize("name,mfcs", [("sft", {"trainDefault"}), ("rw", {"trainDefault"}),
+                                       ("dpo", {"ref_inf", "actor_train"}),
+                                       ("gen", {"genDefault"})])
+def test_other_experiments_build_valid_graphs(name, mfcs):
+    entry = get_experiment(name)
+    config = resolve_config(entry.config_class, [], defaults={"experiment_name": name})
+    assert set(config.build().graph().mfcs) == mfcs
