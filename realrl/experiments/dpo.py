@@ -36,6 +36,9 @@ class DPOExperimentConfig(BaseExperimentConfig):
     ref_inf: MFCConfig = help_field(MFCConfig(), "MFC ref_inf.")
     actor_train: MFCConfig = help_field(MFCConfig(), "MFC actor_train.")
 
+    def model_path_links(self) -> dict[str, str]:
+        return {"ref": "actor"}
+
     def validate(self) -> list[str]:
         problems = super().validate() + self.dataset.validate("dataset")
         problems += self.actor.optimizer.validate("actor.optimizer")

@@ -80,6 +80,10 @@ class PPOMathConfig(BaseExperimentConfig):
     actor_train: MFCConfig = help_field(MFCConfig(), "MFC actor_train.")
     critic_train: MFCConfig = help_field(MFCConfig(), "MFC critic_train.")
 
+    def model_path_links(self) -> dict[str, str]:
+        """Empty paths of these roles take the path of another role."""
+        return {"critic": "actor", "ref": "actor"}
+
     def validate(self) -> list[str]:
         problems = super().validate()
         problems += self.dataset.validate("dataset") + self.gen.validate("gen")
@@ -148,7 +152,7 @@ class PPOMathConfig(BaseExperimentConfig):
                             critic_config, train_inputs, ()))
         models = {
             "actor": ModelSpec("actor", ModelKind.lm, self.actor, trainable=True),
-            "reward": ModelSpec("reward", ModelKind.rule),
+            "reward": ModelSpec("reward", ModelKind.rule, self.actor),  # actor's tokenizer
         }
         if use_ref:
             models["ref"] = ModelSpec("ref", ModelKind.lm, self.ref)

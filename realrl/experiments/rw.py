@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from realrl.api.config import BaseExperimentConfig, help_field
 from realrl.api.dfg import MFCDef, MFCKind
@@ -26,6 +27,8 @@ PAIRED_KEYS = ("packed_input_ids", "prompt_lens")
 @dataclass
 class RewardModelingConfig(BaseExperimentConfig):
     """Reward modelling on {"prompt", "pos_answers", "neg_answers"} pairs (Bradley-Terry)."""
+
+    default_model: ClassVar[str] = "fresh"  # empty model.path: the untrained built-in model
 
     model: ModelRoleConfig = help_field(
         ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-4)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from realrl.api.config import BaseExperimentConfig, help_field
 from realrl.api.dfg import MFCDef, MFCKind
@@ -24,6 +25,8 @@ from realrl.interfaces.configs import SFTConfig
 @dataclass
 class SFTExperimentConfig(BaseExperimentConfig):
     """Supervised fine-tuning on {"prompt", "answer"} records (loss on answers only)."""
+
+    default_model: ClassVar[str] = "fresh"  # empty model.path: the untrained built-in model
 
     model: ModelRoleConfig = help_field(
         ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-3)), "The model to fine-tune."

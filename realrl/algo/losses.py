@@ -1,0 +1,151 @@
+"""Per-token PPO-family losses on shifted packed tensors ``[total_tokens - num_seqs]``.
+
+The functions here return *per-token* losses plus statistics; turn them into the scalar to
+back-propagate with `realrl.algo.aggregation` (``ppo.loss_agg_mode``), whose normaliser spans the
+whole mini-batch across micro-batches and data-parallel ranks.
+
+A typical actor micro-batch::
+
+    policy = ppo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, eps_clip=0.2)
+    per_token = policy.per_token_loss
+    if entropy_coef: per_token = per_token - entropy_coef * entropy          # bonus
+    if use_kl_loss:  per_token = per_token + kl_ctl * kl_estimate(logprobs, ref_logprobs, "k3")
+    loss = aggregate_loss(per_token, loss_mask, cu_seqlens, mode, normaliser)
+
+Statistics are detached scalar tensors (no host sync): masked means over this micro-batch's
+response tokens, plus ``num_tokens`` so a caller can combine micro-batches by weighting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossOutput:
+    per_token_loss: torch.Tensor  # [total_tokens - num_seqs], 0 outside the loss mask
+    stats: dict[str, torch.Tensor]  # detached scalars
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask_f = mask.to(values.dtype)
+    return (values * mask_f).sum() / mask_f.sum().clamp(min=1)
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    dual_clip: float | None = None,
+    ratio_early_stop: float | None = None,
+) -> LossOutput:
+    """Clipped surrogate, Schulman et al. 2017 (PPO), eq. (7), as a loss to minimise.
+
+    ``ratio = exp(logprobs - old_logprobs)``;
+    ``loss = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))``.
+
+    - ``eps_clip_high`` (DAPO "clip-higher", Yu et al. 2025, eq. (10)): a separate upper bound,
+      default ``eps_clip``; a larger value lets low-probability tokens grow (less entropy collapse).
+    - ``dual_clip = c > 1`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games", eq. (5)):
+      for ``A < 0`` the loss is further bounded by ``-c * A``, so a huge ratio on a bad action
+      cannot produce an unbounded update. Positive advantages are untouched.
+    - ``ratio_early_stop = b``: if the masked mean ratio of this micro-batch leaves
+      ``[1 - b, 1 + b]`` the policy has drifted too far from the behaviour policy; the whole
+      micro-batch's loss is multiplied by 0 (the graph is kept so backward and gradient
+      all-reduce still run on every rank), and ``stats["early_stopped"]`` is 1.
+
+    Stats: ``clip_fraction`` (tokens where the clipped branch is active), ``dual_clip_fraction``,
+    ``approx_kl`` (k3 estimate of KL(old || new), Schulman 2020), ``ratio_mean``,
+    ``ratio_max``, ``early_stopped``, ``num_tokens``.
+    """
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"ppo.dual_clip must be > 1 (it bounds -A * ratio), got {dual_clip}")
+    mask = loss_mask.bool()
+    log_ratio = (logprobs.float() - old_logprobs.detach().float()) * mask
+    ratio = torch.exp(log_ratio)  # [total_tokens - num_seqs], 1 outside the mask
+    advantages = advantages.detach().float()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    dual_active = torch.zeros_like(clip_active)
+    if dual_clip is not None:
+        bound = -dual_clip * advantages  # positive where A < 0
+        dual_active = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual_active, bound, loss)
+    loss = loss * mask
+
+    ratio_mean = _masked_mean(ratio.detach(), mask)
+    early_stopped = torch.zeros((), device=loss.device)
+    if ratio_early_stop is not None:
+        early_stopped = ((ratio_mean - 1.0).abs() > ratio_early_stop).float()
+        loss = loss * (1.0 - early_stopped)
+    approx_kl = torch.expm1(log_ratio.detach()) - log_ratio.detach()  # k3 with r = new / old
+    stats = {
+        "clip_fraction": _masked_mean(clip_active.float(), mask),
+        "dual_clip_fraction": _masked_mean(dual_active.float(), mask),
+        "approx_kl": _masked_mean(approx_kl, mask),
+        "ratio_mean": ratio_mean,
+        "ratio_max": torch.cat([ratio.detach() * mask, ratio.new_zeros(1)]).max(),
+        "early_stopped": early_stopped,
+        "num_tokens": mask.sum().float(),
+    }
+    return LossOutput(loss, stats)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    loss_mask: torch.Tensor,
+    value_eps_clip: float | None = 0.2,
+) -> LossOutput:
+    """Clipped value loss, the PPO2 reference implementation (Engstrom et al. 2020, sec. 3).
+
+    ``values``/``old_values`` are the critic outputs at the *states* of the shifted positions,
+    ``[total_tokens - num_seqs]`` (use `realrl.algo.layout.shifted_values` on per-token values).
+    ``v_clip = old + clip(values - old, -eps, eps)`` and
+    ``loss = 0.5 * max((values - R)^2, (v_clip - R)^2)``; the 0.5 makes the gradient
+    ``values - R`` (it is the squared error's natural constant, so ``ppo.value_coef``-style
+    weights stay comparable with other libraries). ``value_eps_clip=None`` disables clipping.
+    With value normalisation, pass normalised ``returns`` and normalised old values.
+    """
+    mask = loss_mask.bool()
+    values = values.float()
+    returns = returns.detach().float()
+    unclipped_error = (values - returns) ** 2
+    if value_eps_clip is None:
+        loss = 0.5 * unclipped_error
+        clip_active = torch.zeros_like(mask)
+    else:
+        old_values = old_values.detach().float()
+        clipped_values = old_values + (values - old_values).clamp(-value_eps_clip, value_eps_clip)
+        clipped_error = (clipped_values - returns) ** 2
+        loss = 0.5 * torch.maximum(unclipped_error, clipped_error)
+        clip_active = clipped_error > unclipped_error
+    loss = loss * mask
+    stats = {
+        "value_clip_fraction": _masked_mean(clip_active.float(), mask),
+        "value_mean": _masked_mean(values.detach(), mask),
+        "returns_mean": _masked_mean(returns, mask),
+        "num_tokens": mask.sum().float(),
+    }
+    return LossOutput(loss, stats)
+
+
+def entropy_bonus_loss(entropy: torch.Tensor, loss_mask: torch.Tensor, entropy_coef: float):
+    """Per-token ``-entropy_coef * H`` (Mnih et al. 2016 / PPO eq. (9) ``c2 S``) to add to a loss.
+
+    ``entropy [total_tokens - num_seqs]`` comes from `realrl.algo.layout.packed_entropy`. With
+    ``ppo.entropy_coef=0`` the entropy is only logged; this returns zeros (no gradient path).
+    """
+    if entropy_coef == 0.0:
+        return torch.zeros_like(entropy)
+    return -entropy_coef * entropy * loss_mask

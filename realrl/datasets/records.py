@@ -1,0 +1,119 @@
+"""Record schemas for the three dataset kinds, and loaders that return validated records.
+
+RL prompts (PPO/GRPO, generation)::
+
+    {"prompt": str, "answer"?: str, "solutions"?: [str], "task"?: "math" | "code",
+     "input_output"?: str (JSON {"inputs": [...], "outputs": [...]}), "query_id"?: str}
+
+``task`` defaults to ``"math"``; a math record needs ``answer`` or ``solutions``, a code
+record needs ``input_output``. A missing ``query_id`` becomes ``"<file stem>-<line>"``;
+query ids must be unique within a file.
+
+SFT::  {"prompt": str, "answer": str}   (``answer`` is the completion the model learns)
+
+Paired (reward modelling, DPO)::
+
+    {"prompt": str, "pos_answers": [str], "neg_answers": [str]}   (same non-zero length)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from realrl.datasets.jsonl import DatasetError, read_jsonl
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("math", "code")
+
+PROMPT_REQUIRED = {"prompt": str}
+PROMPT_OPTIONAL = {
+    "answer": str,
+    "solutions": list,
+    "task": str,
+    "input_output": str,
+    "query_id": (str, int),
+}
+SFT_REQUIRED = {"prompt": str, "answer": str}
+PAIRED_REQUIRED = {"prompt": str, "pos_answers": list, "neg_answers": list}
+
+
+def _is_string_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def check_prompt_record(record: dict[str, Any]) -> list[str]:
+    """Task-specific problems of an RL prompt record whose keys and types are already valid."""
+    task = record.get("task") or "math"
+    if task not in TASKS:
+        return [f"key 'task' must be one of {list(TASKS)}, got {task!r}"]
+    solutions = record.get("solutions")
+    if solutions is not None and not _is_string_list(solutions):
+        return ["key 'solutions' must be a list of strings"]
+    if task == "math" and record.get("answer") is None and not solutions:
+        return ["a math record needs 'answer' (str) or non-empty 'solutions' (list of str)"]
+    if task == "code":
+        return _check_input_output(record.get("input_output"))
+    return []
+
+
+def _check_input_output(text: str | None) -> list[str]:
+    if text is None:
+        return ["a code record needs 'input_output': a JSON string with 'inputs' and 'outputs'"]
+    try:
+        cases = json.loads(text)
+    except json.JSONDecodeError as error:
+        return [f"key 'input_output' is not valid JSON ({error.msg})"]
+    if not isinstance(cases, dict):
+        return ["key 'input_output' must encode an object with 'inputs' and 'outputs' lists"]
+    inputs, outputs = cases.get("inputs"), cases.get("outputs")
+    if not isinstance(inputs, list) or not isinstance(outputs, list):
+        return ["key 'input_output' must hold 'inputs' and 'outputs' lists"]
+    if len(inputs) != len(outputs):
+        return [f"'input_output' has {len(inputs)} inputs but {len(outputs)} outputs"]
+    return []
+
+
+def check_paired_record(record: dict[str, Any]) -> list[str]:
+    positives, negatives = record["pos_answers"], record["neg_answers"]
+    if not _is_string_list(positives) or not _is_string_list(negatives):
+        return ["keys 'pos_answers' and 'neg_answers' must be lists of strings"]
+    if not positives or len(positives) != len(negatives):
+        return [
+            f"'pos_answers' ({len(positives)}) and 'neg_answers' ({len(negatives)}) must have "
+            "the same non-zero length: answers are compared pairwise"
+        ]
+    return []
+
+
+def load_prompt_records(path: str | Path) -> list[dict[str, Any]]:
+    """RL prompt records with ``task`` and ``query_id`` filled in (see module docstring)."""
+    path = Path(path)
+    records = read_jsonl(path, PROMPT_REQUIRED, PROMPT_OPTIONAL, check=check_prompt_record)
+    first_line_of: dict[str, int] = {}
+    problems = []
+    for record in records:
+        record["task"] = record.get("task") or "math"
+        given_id = record.get("query_id")
+        query_id = str(given_id) if given_id is not None else f"{path.stem}-{record['_line']}"
+        record["query_id"] = query_id
+        if query_id in first_line_of:
+            problems.append(
+                f"{path}:{record['_line']}: query_id {query_id!r} already used on line "
+                f"{first_line_of[query_id]}; query ids must be unique"
+            )
+        first_line_of.setdefault(query_id, record["_line"])
+    if problems:
+        raise DatasetError(f"invalid dataset {path}:\n  " + "\n  ".join(problems[:10]))
+    return records
+
+
+def load_sft_records(path: str | Path) -> list[dict[str, Any]]:
+    return read_jsonl(path, SFT_REQUIRED, non_empty=("prompt", "answer"))
+
+
+def load_paired_records(path: str | Path) -> list[dict[str, Any]]:
+    return read_jsonl(path, PAIRED_REQUIRED, check=check_paired_record)

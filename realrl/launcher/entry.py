@@ -1,0 +1,51 @@
+"""Process entry point of the master and the model workers (the launcher starts these).
+
+    python -m realrl.launcher.entry --run-dir DIR --store HOST:PORT --world-size N master
+    python -m realrl.launcher.entry --run-dir DIR --store HOST:PORT --world-size N worker --rank R
+
+The master hosts the rendezvous store at HOST:PORT; workers connect to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from realrl.launcher.processes import apply_thread_limit, install_worker_logging, watch_parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m realrl.launcher.entry")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--store", required=True, help="HOST:PORT of the rendezvous store")
+    parser.add_argument("--world-size", required=True, type=int)
+    parser.add_argument("--no-watch-parent", action="store_true",
+                        help="under srun the parent is slurmstepd; SLURM cleans up instead")
+    sub = parser.add_subparsers(dest="role", required=True)
+    sub.add_parser("master")
+    worker = sub.add_parser("worker")
+    worker.add_argument("--rank", required=True, type=int)
+    args = parser.parse_args(argv)
+
+    install_worker_logging()
+    apply_thread_limit()
+    if not args.no_watch_parent:
+        watch_parent()
+    host, port = args.store.rsplit(":", 1)
+    from realrl.workers.rendezvous import Rendezvous
+
+    if args.role == "master":
+        from realrl.workers.master_main import run_master
+
+        rendezvous = Rendezvous(host, int(port), is_host=True)
+        return run_master(args.run_dir, rendezvous, args.world_size)
+    from realrl.workers.model_worker import serve
+
+    rendezvous = Rendezvous(host, int(port), is_host=False)
+    serve(rendezvous, args.rank, args.world_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

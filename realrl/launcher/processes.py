@@ -1,0 +1,365 @@
+"""Start, watch and stop the processes of a local run, leaving no orphans behind.
+
+Why: a run is one master plus N model workers. If any of them dies, the others must stop
+within seconds and the user must see which one died and why, instead of a hang. And
+however the supervisor itself ends (an error, Ctrl-C, SIGTERM, even SIGKILL) no child may
+outlive it holding memory, ports or devices.
+
+How, in layers:
+1. Each child runs in its own session (`start_new_session=True`), so its whole process
+   group (the child and any grandchildren it forks) can be signalled at once, and a Ctrl-C
+   in the terminal reaches only the supervisor, which then stops the children in order.
+2. On Linux each child asks the kernel for SIGKILL when the supervisor dies
+   (`prctl(PR_SET_PDEATHSIG)`), which covers SIGKILL of the supervisor. The signal fires
+   when the *thread* that spawned the child exits, so call `start()` from the main thread.
+3. Children call `watch_parent()` as a second line of defence (other kernels, launches
+   through wrappers); it also takes down the child's grandchildren.
+
+Stopping sends SIGTERM to every process group, waits `grace_s`, then SIGKILLs every group,
+including groups whose leader already exited but whose grandchildren linger.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+logger = logging.getLogger(__name__)
+
+NUM_THREADS_ENV_VAR = "REALRL_NUM_THREADS"
+DEFAULT_GRACE_S = 5.0
+DEFAULT_LOG_TAIL_LINES = 30
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ProcessSpec:
+    """One process to run. `console_prefix` is put in front of each line it prints."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    console_prefix: str = ""
+    num_threads: int = 1
+
+
+class ProcessFailure(RuntimeError):
+    """A supervised process exited non-zero or was killed; the others have been stopped."""
+
+    def __init__(self, name: str, pid: int, returncode: int, log_path: Path, log_tail: list[str]):
+        self.name = name
+        self.pid = pid
+        self.returncode = returncode
+        self.log_path = log_path
+        self.log_tail = log_tail
+        super().__init__(self._describe())
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.returncode if self.returncode >= 0 else None
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.returncode).name
+        except ValueError:
+            return f"signal {-self.returncode}"
+
+    def _describe(self) -> str:
+        how = f"exited with code {self.exit_code}"
+        if self.signal_name is not None:
+            how = f"was killed by {self.signal_name}"
+        tail = "\n".join(f"    {line}" for line in self.log_tail) or "    (no output)"
+        return (
+            f"process {self.name!r} (pid {self.pid}) {how}; all other processes were stopped.\n"
+            f"  last {len(self.log_tail)} lines of {self.log_path}:\n{tail}"
+        )
+
+
+class SupervisorInterrupted(RuntimeError):
+    """The supervisor got SIGINT/SIGTERM and stopped every child; exit with `exit_code`."""
+
+    def __init__(self, signal_number: int):
+        self.signal_number = signal_number
+        self.exit_code = 128 + signal_number
+        name = signal.Signals(signal_number).name
+        super().__init__(f"supervisor received {name}; all processes were stopped")
+
+
+def _parent_death_signal_setter(parent_pid: int):
+    """A preexec_fn for Popen: SIGKILL this child when the supervisor dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # resolved in the parent, not after fork
+    prctl = libc.prctl
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+            os._exit(1)
+
+    return set_parent_death_signal
+
+
+class _RunningProcess:
+    """One child, its log file and the thread that copies its output."""
+
+    def __init__(
+        self, spec: ProcessSpec, console: IO[str], console_lock: threading.Lock, tail_lines: int
+    ):
+        self.spec = spec
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(spec.log_path, "a", encoding="utf-8")
+        threads = str(spec.num_threads)
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        env |= {
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            NUM_THREADS_ENV_VAR: threads,
+        }
+        try:
+            self.popen = subprocess.Popen(
+                spec.argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_parent_death_signal_setter(os.getpid()),
+            )
+        except OSError as error:
+            self._log_file.close()
+            raise RuntimeError(
+                f"cannot start process {spec.name!r} ({spec.argv}): {error}"
+            ) from None
+        self._console = console
+        self._console_lock = console_lock
+        self._reader = threading.Thread(
+            target=self._copy_output, name=f"log {spec.name}", daemon=True
+        )
+        self._reader.start()
+
+    def _copy_output(self) -> None:
+        assert self.popen.stdout is not None
+        prefix = f"{self.spec.console_prefix} " if self.spec.console_prefix else ""
+        for raw_line in self.popen.stdout:
+            line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
+            self.log_tail.append(line)
+            self._log_file.write(line + "\n")
+            self._log_file.flush()
+            with self._console_lock:
+                try:
+                    self._console.write(f"{prefix}{line}\n")
+                    self._console.flush()
+                except (OSError, ValueError):  # console gone: keep draining into the log
+                    pass
+
+    def signal_group(self, signal_number: int) -> None:
+        try:
+            os.killpg(self.popen.pid, signal_number)  # the pgid is the child's pid
+        except (ProcessLookupError, PermissionError):
+            pass  # the whole group is gone already
+
+    def finish_output(self, timeout_s: float = 5.0) -> None:
+        """Wait for the last lines to be copied, then close the log file."""
+        self._reader.join(timeout=timeout_s)
+        if self._reader.is_alive():
+            logger.warning("output of %r is still open (a lingering grandchild?)", self.spec.name)
+            return
+        self._log_file.close()
+
+
+class ProcessSupervisor:
+    """Runs a set of processes; any failure stops all of them.
+
+    Use as a context manager, or call `stop()` in a `finally`:
+
+        with ProcessSupervisor(specs) as supervisor:
+            supervisor.start()
+            supervisor.wait()   # 0, or raises ProcessFailure / SupervisorInterrupted
+    """
+
+    def __init__(
+        self,
+        specs: list[ProcessSpec],
+        console: IO[str] | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+        log_tail_lines: int = DEFAULT_LOG_TAIL_LINES,
+    ):
+        """`console` defaults to sys.stdout; a failure report shows `log_tail_lines` lines."""
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"process names must be unique, got {names}")
+        self.specs = list(specs)
+        self.grace_s = grace_s
+        self._console = sys.stdout if console is None else console
+        self._console_lock = threading.Lock()
+        self._log_tail_lines = log_tail_lines
+        self._running: list[_RunningProcess] = []
+        self._stopped = False
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {process.spec.name: process.popen.pid for process in self._running}
+
+    def start(self) -> None:
+        """Spawn every process. If one cannot be started, the ones already started are stopped."""
+        try:
+            for spec in self.specs:
+                process = _RunningProcess(
+                    spec, self._console, self._console_lock, self._log_tail_lines
+                )
+                self._running.append(process)
+                logger.info("started %s (pid %d): %s", spec.name, process.popen.pid, spec.argv)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait(self, poll_interval_s: float = 0.2) -> int:
+        """Return 0 once every process exited 0; on the first failure stop all and raise.
+
+        Raises `ProcessFailure` naming the failed process with its last log lines, or
+        `SupervisorInterrupted` on SIGINT (Ctrl-C) or SIGTERM to the supervisor.
+        """
+        previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            previous_handler = signal.signal(signal.SIGTERM, _raise_interrupted)
+        try:
+            while True:
+                returncodes = [process.popen.poll() for process in self._running]
+                for process, returncode in zip(self._running, returncodes):
+                    if returncode is not None and returncode != 0:
+                        raise self._fail(process, returncode)
+                if all(returncode == 0 for returncode in returncodes):
+                    self.stop()  # reaps lingering grandchildren, closes logs
+                    return 0
+                time.sleep(poll_interval_s)
+        except KeyboardInterrupt:
+            self.stop()
+            raise SupervisorInterrupted(signal.SIGINT) from None
+        except SupervisorInterrupted:
+            self.stop()
+            raise
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+
+    def _fail(self, process: _RunningProcess, returncode: int) -> ProcessFailure:
+        logger.error("%s exited with %d; stopping all processes", process.spec.name, returncode)
+        self.stop()
+        return ProcessFailure(
+            process.spec.name,
+            process.popen.pid,
+            returncode,
+            process.spec.log_path,
+            list(process.log_tail),
+        )
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM every process group, SIGKILL what is left after `grace_s`, reap all."""
+        if self._stopped:
+            return
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        if in_main_thread:  # a second Ctrl-C must not cut the cleanup short
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            self._terminate_then_kill(self.grace_s if grace_s is None else grace_s)
+            self._stopped = True
+        finally:
+            if in_main_thread:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def _terminate_then_kill(self, grace_s: float) -> None:
+        for process in self._running:
+            if process.popen.poll() is None:
+                process.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self._running:
+            try:
+                process.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning(
+                    "%s ignored SIGTERM for %.1f s; killing it", process.spec.name, grace_s
+                )
+        for process in self._running:
+            process.signal_group(signal.SIGKILL)  # also grandchildren of exited leaders
+        for process in self._running:
+            process.popen.wait()
+            process.finish_output()
+
+    def __enter__(self) -> ProcessSupervisor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _raise_interrupted(signal_number: int, frame: object) -> None:
+    raise SupervisorInterrupted(signal_number)
+
+
+# ---------------------------------------------------------------- helpers for children
+
+
+def watch_parent(poll_interval_s: float = 1.0) -> threading.Thread:
+    """Exit this process (and its process group, if it leads one) when its parent dies.
+
+    Call at the start of a child. A daemon thread polls `os.getppid()`; when it changes, the
+    parent is gone and this process was re-parented, so nobody would ever stop it.
+    """
+    parent_pid = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_interval_s)
+        logger.error("parent process %d is gone; exiting", parent_pid)
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)  # takes grandchildren along, and us
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="watch parent", daemon=True)
+    thread.start()
+    return thread
+
+
+def apply_thread_limit() -> int:
+    """Call `torch.set_num_threads` with the share the supervisor gave this process."""
+    import torch
+
+    num_threads = int(os.environ.get(NUM_THREADS_ENV_VAR, "1"))
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+def install_worker_logging(prefix: str = "", level: int | str = logging.INFO) -> None:
+    """Root logging for a child: time, level, logger name, message.
+
+    Under `ProcessSupervisor` leave `prefix` empty: the supervisor adds the console prefix.
+    Where nothing adds one (e.g. srun output), pass it here, e.g. "[worker 3 actor dp1 tp0]".
+    """
+    leading = f"{prefix} " if prefix else ""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(
+            f"{leading}%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        )
+    )
+    root = logging.getLogger()
+    for existing in list(root.handlers):
+        root.removeHandler(existing)
+    root.addHandler(handler)
+    root.setLevel(level)

@@ -1,0 +1,126 @@
+"""Launch a run locally: prepare the run directory, start the master and the model workers.
+
+The launcher resolves everything once (config, default model paths, graph, allocations),
+writes it to the run directory (`config.yaml`, `plan.json`, the graph as Mermaid and DOT, an
+owner-only `.secret`), then starts one master and N model-worker processes under a
+`ProcessSupervisor`: per-process log files, prefixed console lines, each process its share of
+the CPU threads, and any failure or Ctrl-C stops all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from realrl.api.config import BaseExperimentConfig, RecoverMode, to_yaml
+from realrl.api.experiment import ModelRoleConfig
+from realrl.launcher.plan import LaunchPlan, build_plan
+from realrl.launcher.processes import (
+    ProcessFailure,
+    ProcessSpec,
+    ProcessSupervisor,
+    SupervisorInterrupted,
+)
+from realrl.workers.run_plan import RunPlan, base_settings
+from realrl.workers.transport import create_run_secret
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_paths(config: BaseExperimentConfig) -> None:
+    """Fill empty `*.path` keys: linked roles (critic, ref) take their source's path, the rest
+    the built-in default model (see `realrl.launcher.warm_start`)."""
+    from realrl.launcher.warm_start import default_model_path
+
+    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                if isinstance(getattr(config, f.name), ModelRoleConfig)}
+    links = getattr(config, "model_path_links", dict)()
+    for name, section in sections.items():
+        if not section.path and name not in links:
+            section.path = str(default_model_path(config, name))
+    for name, source in links.items():
+        if not sections[name].path:
+            sections[name].path = sections[source].path
+
+
+def prepare_run_dir(config: BaseExperimentConfig) -> Path:
+    run_dir = config.run_dir
+    if run_dir.exists() and config.recover_mode == RecoverMode.disabled:
+        previous = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        logger.warning("recover_mode=disabled: moving the previous run to %s", previous)
+        shutil.move(run_dir, previous)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def write_run_files(config: BaseExperimentConfig, plan: LaunchPlan) -> RunPlan:
+    run_dir = plan.run_dir
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    (run_dir / "graph.mmd").write_text(plan.graph.to_mermaid() + "\n")
+    (run_dir / "graph.dot").write_text(plan.graph.to_dot() + "\n")
+    run_plan = RunPlan(
+        base=base_settings(config), dataset=config.dataset, dataset_kind=plan.spec.dataset_kind,
+        models=plan.spec.models, mfcs=[plan.graph.mfcs[name] for name in plan.graph.order],
+        allocations=plan.allocations,
+    )
+    (run_dir / "plan.json").write_text(run_plan.to_json())
+    if not (run_dir / ".secret").exists():
+        create_run_secret(run_dir)
+    return run_plan
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int) -> list[ProcessSpec]:
+    run_dir = plan.run_dir.resolve()
+    cores = os.cpu_count() or 1
+    worker_threads = max(1, cores // config.n_workers)
+    common = [sys.executable, "-m", "realrl.launcher.entry", "--run-dir", str(run_dir),
+              "--store", f"127.0.0.1:{port}", "--world-size", str(config.n_workers)]
+    env = {"REALRL_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1"}
+    specs = [ProcessSpec("master", common + ["master"], env, run_dir / "logs" / "master.log",
+                         "[master]", num_threads=1)]
+    for worker in plan.workers:
+        roles = " ".join(worker.roles) or "idle"
+        specs.append(ProcessSpec(
+            f"worker{worker.rank}", common + ["worker", "--rank", str(worker.rank)], env,
+            run_dir / "logs" / f"worker{worker.rank}.log", f"[worker {worker.rank} {roles}]",
+            num_threads=worker_threads,
+        ))
+    return specs
+
+
+def run_experiment(config: BaseExperimentConfig, plan: LaunchPlan, user_modules=()) -> int:
+    """Run `config` to completion; returns the process exit code."""
+    if config.mode.value == "slurm":
+        from realrl.launcher.slurm import run_on_slurm
+
+        return run_on_slurm(config, plan)
+    resolve_model_paths(config)
+    plan = build_plan(config)
+    prepare_run_dir(config)
+    write_run_files(config, plan)
+    sys.stdout.write(f"run directory: {plan.run_dir}\n")
+    sys.stdout.flush()
+    supervisor = ProcessSupervisor(process_specs(config, plan, free_port()))
+    try:
+        supervisor.start()
+        return supervisor.wait()
+    except ProcessFailure as failure:
+        sys.stderr.write(f"error: {failure}\n")
+        return 1
+    except SupervisorInterrupted as interrupted:
+        sys.stderr.write(f"{interrupted}\n")
+        return interrupted.exit_code
+    finally:
+        supervisor.stop()

@@ -1,0 +1,67 @@
+"""Default model paths: the built-in tiny model, and ppo-math's SFT warm start of it.
+
+Experiments whose config sets `default_model = "fresh"` (sft, rw) start from randomly
+initialised weights; the others (ppo-math, dpo, gen) from the *warm start*: the fresh model
+after realrl's own `sft` experiment on the built-in arithmetic data, built on first use by
+
+    python -m realrl.apps.quickstart sft output_root=$REALRL_CACHE/build \
+        experiment_name=default-actor trial_name=v1 <WARM_START_OVERRIDES>
+
+and cached in `$REALRL_CACHE/default-actor-v1` (REALRL_CACHE defaults to ~/.cache/realrl).
+It gets some arithmetic right and leaves RL room to improve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from realrl.launcher.defaults import fresh_default_model
+
+logger = logging.getLogger(__name__)
+
+WARM_START_VERSION = "v1"
+WARM_START_OVERRIDES = [
+    "total_train_steps=60", "dataset.batch_size=64", "model.optimizer.lr=2e-3",
+    "model.optimizer.lr_scheduler=cosine", "model.optimizer.warmup_steps_proportion=0.05",
+    "wandb.mode=disabled", "tensorboard=false", "seed=1",
+]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("REALRL_CACHE", Path.home() / ".cache" / "realrl")).expanduser()
+
+
+def default_model_path(config, section: str) -> Path:
+    if getattr(config, "default_model", "warm") == "fresh":
+        return fresh_default_model(cache_dir() / "default-fresh")
+    return ensure_warm_start()
+
+
+def ensure_warm_start() -> Path:
+    target = cache_dir() / f"default-actor-{WARM_START_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    from realrl.api.config import resolve_config
+    from realrl.experiments.sft import SFTExperimentConfig
+    from realrl.launcher.plan import build_plan
+    from realrl.launcher.run import run_experiment
+
+    logger.info("building the default actor (SFT warm start) into %s; done once", target)
+    build_root = cache_dir() / "build"
+    overrides = [f"output_root={build_root}", "experiment_name=default-actor",
+                 f"trial_name={WARM_START_VERSION}", *WARM_START_OVERRIDES]
+    config = resolve_config(SFTExperimentConfig, overrides)
+    if run_experiment(config, build_plan(config)) != 0:
+        raise RuntimeError(f"building the default actor failed; see {config.run_dir}/logs")
+    from realrl.workers.recovery import latest_complete_checkpoint
+
+    checkpoint = latest_complete_checkpoint(config.run_dir)
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(checkpoint / "default", staging,
+                    ignore=shutil.ignore_patterns("optimizer.pt"))
+    staging.rename(target)
+    return target

@@ -1,0 +1,81 @@
+"""The master's data: a dataset of the experiment's kind, tokenized once, served in batches.
+
+An empty `dataset.path` selects the built-in synthetic arithmetic task (a fixed, seeded pool,
+the same on every run); a path is a user JSONL file, validated line by line before anything
+trains. The iterator state (epoch, position) is saved in checkpoints so recovery continues
+from the same sample.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from realrl.api.data import SequenceSample
+from realrl.api.experiment import DatasetKind
+from realrl.datasets.arithmetic import as_paired_records, as_sft_records, make_arithmetic_splits
+from realrl.datasets.loader import (
+    EpochIterator,
+    PairedDataset,
+    PromptDataset,
+    SFTDataset,
+    make_paired_batch,
+    make_prompt_batch,
+    make_sft_batch,
+)
+from realrl.datasets.records import load_paired_records, load_prompt_records, load_sft_records
+from realrl.workers.run_plan import RunPlan
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_DATA_SEED = 0
+BUILTIN_TRAIN_SIZE = 4096
+BUILTIN_EVAL_SIZE = 256
+
+
+def builtin_records(kind: DatasetKind, split: str = "train") -> list[dict]:
+    train, evaluation = make_arithmetic_splits(BUILTIN_TRAIN_SIZE, BUILTIN_EVAL_SIZE,
+                                               seed=BUILTIN_DATA_SEED)
+    records = train if split == "train" else evaluation
+    if kind == DatasetKind.sft:
+        return as_sft_records(records)
+    if kind == DatasetKind.paired:
+        return as_paired_records(records, seed=BUILTIN_DATA_SEED)
+    return records
+
+
+def load_records(kind: DatasetKind, path: str) -> list[dict]:
+    """Validated records: the file's (errors name file and line) or the built-in ones."""
+    if not path:
+        return builtin_records(kind)
+    loader = {DatasetKind.prompt: load_prompt_records, DatasetKind.sft: load_sft_records,
+              DatasetKind.paired: load_paired_records}[kind]
+    return loader(path)
+
+
+class DataSource:
+    def __init__(self, plan: RunPlan, tokenizer):
+        settings = plan.dataset
+        records = load_records(plan.dataset_kind, settings.path)
+        source = settings.path or "built-in arithmetic data"
+        if plan.dataset_kind == DatasetKind.prompt:
+            self.dataset = PromptDataset(records, tokenizer, settings.max_prompt_len, source)
+            self._make_batch = make_prompt_batch
+        elif plan.dataset_kind == DatasetKind.sft:
+            self.dataset = SFTDataset(records, tokenizer, settings.max_seq_len, source)
+            self._make_batch = make_sft_batch
+        else:
+            self.dataset = PairedDataset(records, tokenizer, settings.max_seq_len, source)
+            self._make_batch = make_paired_batch
+        self.iterator = EpochIterator(len(self.dataset), settings.batch_size, plan.base.seed,
+                                      drop_last=True)
+        logger.info("%s: %d records, batch size %d, %d batches per epoch", source,
+                    len(self.dataset), settings.batch_size, self.iterator.batches_per_epoch)
+
+    def next_batch(self) -> SequenceSample:
+        return self._make_batch(self.dataset, self.iterator.next_batch())
+
+    def state_dict(self) -> dict:
+        return self.iterator.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iterator.load_state_dict(state)

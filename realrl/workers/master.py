@@ -1,0 +1,159 @@
+"""The master worker: runs the dataflow graph once per step over the model workers.
+
+Every MFC starts as soon as the MFCs producing its inputs have finished, so independent calls
+on disjoint meshes overlap. Calls that share a worker are serialised by per-rank locks taken in
+rank order, which also makes every rank enter collectives in the same order. For each call the
+master: brings the call's layout up to the role's newest weights (parameter reallocation),
+splits the batch over the call's data-parallel ranks by tokens, sends one request to every rank
+of the mesh, merges the output keys of the replies back into the step's batch, and runs the
+post-hooks (the EMA reference update).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from realrl.api.data import SequenceSample
+from realrl.api.dfg import MFCDef, ParamReallocHook
+from realrl.api.experiment import ModelKind
+from realrl.workers.realloc import transfer_ranks
+from realrl.workers.run_plan import LayoutKey, RunPlan
+from realrl.workers.transport import AsyncClient, Message
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 24 * 3600.0
+
+
+@dataclass
+class StepResult:
+    data: SequenceSample
+    stats: dict[str, float] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)  # seconds per MFC and transfer
+    compute: dict[str, float] = field(default_factory=dict)  # worker-side seconds per MFC
+
+
+class Master:
+    def __init__(self, plan: RunPlan, clients: dict[int, AsyncClient]):
+        self.plan = plan
+        self.clients = clients
+        self.rank_locks = {rank: asyncio.Lock() for rank in clients}
+        self.role_version = {role: 0 for role in plan.models}
+        self.layout_version = {layout: 0 for layout in plan.layouts()}
+
+    # ------------------------------------------------------------------ one step
+
+    async def run_step(self, batch: SequenceSample) -> StepResult:
+        result = StepResult(data=batch)
+        finished = {mfc.name: asyncio.Event() for mfc in self.plan.mfcs}
+        graph_parents = self._parents()
+
+        async def run_when_ready(mfc: MFCDef) -> None:
+            for parent in graph_parents[mfc.name]:
+                await finished[parent].wait()
+            await self._run_mfc(mfc, result)
+            finished[mfc.name].set()
+
+        tasks = [asyncio.create_task(run_when_ready(mfc)) for mfc in self.plan.mfcs]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        return result
+
+    def _parents(self) -> dict[str, list[str]]:
+        producers = {key: mfc.name for mfc in self.plan.mfcs for key in mfc.output_keys}
+        return {mfc.name: sorted({producers[k] for k in mfc.input_keys if k in producers})
+                for mfc in self.plan.mfcs}
+
+    async def _run_mfc(self, mfc: MFCDef, result: StepResult) -> None:
+        allocation = self.plan.allocations[mfc.name]
+        layout = self.plan.layout_of(mfc.name)
+        has_weights = self.plan.models[mfc.model_role].kind != ModelKind.rule
+        refresh = has_weights and self.layout_version[layout] < self.role_version[mfc.model_role]
+        owner = self.plan.owner_layout(mfc.model_role)
+        hooks = [hook for hook in mfc.post_hooks if isinstance(hook, ParamReallocHook)]
+        ranks = set(allocation.mesh.ranks)
+        if refresh:
+            ranks |= set(transfer_ranks(owner, layout))
+        for hook in hooks:
+            ranks |= set(transfer_ranks(self.plan.owner_layout(hook.source_role),
+                                        self.plan.owner_layout(hook.target_role)))
+        async with self._locked(sorted(ranks)):
+            if refresh:
+                await self._transfer(owner, layout, 1.0, result, f"realloc/{mfc.name}")
+                self.layout_version[layout] = self.role_version[mfc.model_role]
+            started = time.perf_counter()
+            await self._dispatch(mfc, result)
+            result.timing[mfc.name] = time.perf_counter() - started
+            if mfc.is_train:
+                self.role_version[mfc.model_role] += 1
+                self.layout_version[owner] = self.role_version[mfc.model_role]
+            for hook in hooks:
+                await self._run_ema_hook(hook, result, mfc.name)
+
+    async def _run_ema_hook(self, hook: ParamReallocHook, result: StepResult, mfc_name: str):
+        source = self.plan.owner_layout(hook.source_role)
+        target = self.plan.owner_layout(hook.target_role)
+        await self._transfer(source, target, hook.eta, result, f"ema/{mfc_name}")
+        self.role_version[hook.target_role] += 1
+        self.layout_version[target] = self.role_version[hook.target_role]
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, ranks: list[int]):
+        async with contextlib.AsyncExitStack() as stack:
+            for rank in ranks:
+                await stack.enter_async_context(self.rank_locks[rank])
+            yield
+
+    async def _transfer(self, source: LayoutKey, target: LayoutKey, eta: float,
+                        result: StepResult, label: str) -> None:
+        started = time.perf_counter()
+        header = {"source": vars(source) | {"ranks": list(source.ranks)},
+                  "target": vars(target) | {"ranks": list(target.ranks)}, "eta": eta}
+        ranks = transfer_ranks(source, target)
+        await asyncio.gather(*(self._request(rank, Message("transfer", header)) for rank in ranks))
+        result.timing[label] = result.timing.get(label, 0.0) + time.perf_counter() - started
+
+    async def _request(self, rank: int, message: Message) -> Message:
+        reply = await self.clients[rank].request(message, timeout_s=REQUEST_TIMEOUT_S)
+        return reply.raise_if_error()
+
+    async def _dispatch(self, mfc: MFCDef, result: StepResult) -> None:
+        allocation = self.plan.allocations[mfc.name]
+        inputs = result.data.select(mfc.input_keys)
+        parts, _, backward_indices = inputs.split_data_parallel(allocation.strategy.data)
+        requests, heads = [], []
+        for dp_rank, part in enumerate(parts):
+            meta, tensors = part.to_wire()
+            for rank in allocation.ranks_of_dp_rank(dp_rank):
+                message = Message("mfc", {"mfc": mfc.name, "data": meta}, tensors)
+                requests.append(self._request(rank, message))
+                heads.append(rank in allocation.dp_head_ranks())
+        replies = await asyncio.gather(*requests)
+        head_replies = [reply for reply, is_head in zip(replies, heads) if is_head]
+        result.compute[mfc.name] = max(reply.header.get("compute_s", 0.0) for reply in replies)
+        self._merge_stats(mfc, head_replies, result)
+        if mfc.output_keys:
+            outputs = [SequenceSample.from_wire(r.header["data"], r.tensors) for r in head_replies]
+            merged = SequenceSample.gather(outputs).reorder(backward_indices)
+            result.data.update_(merged.select(mfc.output_keys))
+
+    @staticmethod
+    def _merge_stats(mfc: MFCDef, replies: list[Message], result: StepResult) -> None:
+        """Train stats are already reduced over dp ranks; inference stats are averaged."""
+        replies = replies[:1] if mfc.is_train else replies
+        keys = {key for reply in replies for key in reply.header.get("stats", {})}
+        for key in keys:
+            values = [reply.header["stats"][key] for reply in replies if key in reply.header["stats"]]
+            result.stats[f"{mfc.name}/{key}"] = sum(values) / len(values)
+
+    async def broadcast(self, kind: str, header: dict) -> None:
+        """Send one request to every worker and wait for all (checkpoints, shutdown)."""
+        await asyncio.gather(*(self._request(rank, Message(kind, header)) for rank in self.clients))

@@ -1,0 +1,186 @@
+"""A model worker: hosts model shards and runs the MFC requests the master sends it.
+
+Start-up, in order: join the rendezvous store and the torch.distributed world (gloo on CPU,
+NCCL on GPU), bind a ZeroMQ server and publish its address in the store, read the run plan
+from the store, create every process group of the plan (all ranks, same order), and build the
+model shards of the layouts this rank belongs to. Then serve requests one at a time: the
+master's per-rank locks guarantee that collectives are entered in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from realrl.api.data import SequenceSample
+from realrl.api.dfg import MFCDef, MFCKind
+from realrl.api.experiment import ModelKind
+from realrl.backends.torch_engine import ParallelContext, TorchEngine
+from realrl.interfaces.registry import make_interface
+from realrl.models.tokenizer import load_tokenizer
+from realrl.workers import checkpointing
+from realrl.workers.realloc import ProcessGroups, transfer_parameters
+from realrl.workers.rendezvous import Rendezvous
+from realrl.workers.run_plan import LayoutKey, RunPlan
+from realrl.workers.transport import Message, Server, load_run_secret
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenizerOnlyEngine:
+    """What a rule-based role (a verifier, no weights) gets: the policy's tokenizer."""
+
+    tokenizer: object
+    module: None = None
+
+
+@dataclass
+class HostedModel:
+    layout: LayoutKey
+    engine: TorchEngine
+
+
+class ModelWorker:
+    def __init__(self, rank: int, plan: RunPlan, groups: ProcessGroups):
+        self.rank = rank
+        self.plan = plan
+        self.groups = groups
+        self.models: dict[LayoutKey, HostedModel] = {}
+        self.interfaces = {}
+        self.rule_engines: dict[str, TokenizerOnlyEngine] = {}
+        self._build()
+
+    def _build(self) -> None:
+        from realrl.workers.model_loading import load_engine
+
+        for layout in self.plan.layouts():
+            if self.rank not in layout.ranks:
+                continue
+            allocation = self.plan.allocation_of_layout(layout)
+            coords = allocation.coordinates_of(self.rank)
+            parallel = ParallelContext(
+                dp_rank=coords.dp, dp_size=allocation.strategy.data,
+                dp_group=self.groups.data_group(layout, self.rank),
+                tp_rank=coords.tp, tp_size=allocation.strategy.tensor,
+                tp_group=self.groups.tensor_group(layout, self.rank),
+            )
+            spec = self.plan.models[layout.role]
+            trains = spec.trainable and layout == self.plan.owner_layout(layout.role)
+            steps_per_call = max(
+                (self._interface(m).optimizer_steps_per_call() for m in self.plan.mfcs
+                 if m.is_train and m.model_role == layout.role), default=1)
+            engine = load_engine(spec, parallel, trains=trains,
+                                 total_optimizer_steps=self.plan.base.total_train_steps * steps_per_call,
+                                 seed=self.plan.base.seed * 1000 + self.rank)
+            self.models[layout] = HostedModel(layout, engine)
+            logger.info("hosting %s (%s, dp %d/%d, tp %d/%d)", layout, "trainable" if trains else
+                        "frozen", coords.dp, allocation.strategy.data, coords.tp,
+                        allocation.strategy.tensor)
+
+    def _interface(self, mfc: MFCDef):
+        if mfc.name not in self.interfaces:
+            self.interfaces[mfc.name] = make_interface(mfc.interface, mfc.interface_config)
+        return self.interfaces[mfc.name]
+
+    def _engine_for(self, mfc: MFCDef):
+        """The model shard of the MFC's layout; a tokenizer-only engine for rule-based roles."""
+        spec = self.plan.models[mfc.model_role]
+        if spec.kind == ModelKind.rule:
+            if mfc.model_role not in self.rule_engines:
+                self.rule_engines[mfc.model_role] = TokenizerOnlyEngine(
+                    load_tokenizer(spec.config.path))
+            return self.rule_engines[mfc.model_role]
+        return self.models[self.plan.layout_of(mfc.name)].engine
+
+    # ------------------------------------------------------------------ handlers
+
+    def handle(self, message: Message) -> Message:
+        handler = {
+            "mfc": self._run_mfc,
+            "transfer": self._transfer,
+            "save": self._save,
+            "load": self._load,
+        }.get(message.kind)
+        if handler is None:
+            return message.error_reply(f"unknown request kind {message.kind!r}")
+        return handler(message)
+
+    def _run_mfc(self, message: Message) -> Message:
+        mfc = next(m for m in self.plan.mfcs if m.name == message.header["mfc"])
+        data = SequenceSample.from_wire(message.header["data"], message.tensors)
+        data = data.rename(mfc.input_key_remap) if mfc.input_key_remap else data
+        interface = self._interface(mfc)
+        engine = self._engine_for(mfc)
+        method = {MFCKind.generate: interface.generate, MFCKind.inference: interface.inference,
+                  MFCKind.train_step: interface.train_step}[mfc.kind]
+        started = time.perf_counter()
+        result = method(engine, data, mfc.microbatch)
+        header = {"stats": result.stats, "compute_s": time.perf_counter() - started}
+        if result.data is None or self.rank not in self.plan.allocations[mfc.name].dp_head_ranks():
+            return message.reply(header)
+        output = result.data.rename(mfc.output_key_remap) if mfc.output_key_remap else result.data
+        meta, tensors = output.to_wire()
+        return message.reply(header | {"data": meta}, tensors)
+
+    def _transfer(self, message: Message) -> Message:
+        source = LayoutKey(**_layout_fields(message.header["source"]))
+        target = LayoutKey(**_layout_fields(message.header["target"]))
+        started = time.perf_counter()
+        transfer_parameters(
+            source_engine=self.models[source].engine if source in self.models else None,
+            target_engine=self.models[target].engine if target in self.models else None,
+            source=source, target=target, rank=self.rank, eta=message.header["eta"],
+            groups=self.groups, plan=self.plan,
+        )
+        return message.reply({"compute_s": time.perf_counter() - started})
+
+    def _save(self, message: Message) -> Message:
+        checkpointing.save_worker_state(self, message.header["directory"])
+        return message.reply({})
+
+    def _load(self, message: Message) -> Message:
+        checkpointing.load_worker_state(self, message.header["directory"])
+        return message.reply({})
+
+
+def _layout_fields(data: dict) -> dict:
+    return {"role": data["role"], "ranks": tuple(data["ranks"]), "strategy": data["strategy"]}
+
+
+def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
+    """Run one model worker until the master says `exit` (or the supervisor stops us)."""
+    secret = load_run_secret(os.environ.get("REALRL_RUN_DIR"))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=rendezvous.torch_store("dist"), rank=rank,
+                            world_size=world_size)
+    server = Server(f"tcp://{rendezvous.advertised_host}:*", secret)
+    rendezvous.publish(f"worker/{rank}/address", server.bound_address)
+    plan = RunPlan.from_json(rendezvous.wait_for("plan"))
+    groups = ProcessGroups.create(plan)
+    worker = ModelWorker(rank, plan, groups)
+    rendezvous.publish(f"worker/{rank}/ready", "1")
+    logger.info("worker %d ready at %s", rank, server.bound_address)
+    try:
+        while True:
+            received = server.recv(timeout_s=None)
+            if received is None:
+                continue
+            peer, message = received
+            if message.kind == "exit":
+                server.send(peer, message.reply({}))
+                break
+            try:
+                reply = worker.handle(message)
+            except Exception as exc:
+                logger.exception("request %s failed", message.kind)
+                reply = message.error_reply(f"worker {rank}: {type(exc).__name__}: {exc}")
+            server.send(peer, reply)
+    finally:
+        server.close()
+        dist.destroy_process_group()

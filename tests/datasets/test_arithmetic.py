@@ -1,0 +1,84 @@
+import re
+
+import pytest
+
+from realrl.datasets.arithmetic import (
+    as_paired_records,
+    as_sft_records,
+    make_arithmetic_records,
+    make_arithmetic_splits,
+    write_arithmetic_files,
+)
+from realrl.datasets.records import load_paired_records, load_prompt_records, load_sft_records
+
+
+def solve(prompt: str) -> int:
+    match = re.fullmatch(r"(\d+)([+\-*])(\d+)=", prompt)
+    assert match is not None, prompt
+    left, op, right = int(match.group(1)), match.group(2), int(match.group(3))
+    return {"+": left + right, "-": left - right, "*": left * right}[op]
+
+
+def test_records_are_deterministic_for_a_seed_and_differ_across_seeds():
+    assert make_arithmetic_records(50, seed=3) == make_arithmetic_records(50, seed=3)
+    assert make_arithmetic_records(50, seed=3) != make_arithmetic_records(50, seed=4)
+
+
+def test_records_are_correct_distinct_short_and_in_a_plain_charset():
+    records = make_arithmetic_records(300, seed=0, min_digits=1, max_digits=3, ops=("+", "-", "*"))
+    assert len({r["prompt"] for r in records}) == 300
+    assert len({r["query_id"] for r in records}) == 300
+    for record in records:
+        assert record["task"] == "math"
+        assert re.fullmatch(r"[0-9+\-*=]+", record["prompt"])
+        assert len(record["prompt"]) <= 3 + 1 + 3 + 1
+        assert record["answer"] == str(solve(record["prompt"]))
+
+
+def test_digit_limits_bound_the_operands():
+    for record in make_arithmetic_records(100, seed=1, min_digits=2, max_digits=2, ops=("+",)):
+        left, right = record["prompt"].rstrip("=").split("+")
+        assert 10 <= int(left) <= 99 and 10 <= int(right) <= 99
+
+
+def test_asking_for_more_problems_than_exist_is_an_error():
+    # one-digit operands and "+": 10 * 10 = 100 distinct problems
+    assert len(make_arithmetic_records(100, seed=0, max_digits=1, ops=("+",))) == 100
+    with pytest.raises(ValueError, match="only 100 exist"):
+        make_arithmetic_records(101, seed=0, max_digits=1, ops=("+",))
+    with pytest.raises(ValueError, match="unsupported ops"):
+        make_arithmetic_records(1, seed=0, ops=("/",))
+
+
+def test_train_and_eval_splits_are_disjoint_and_deterministic():
+    train, evaluation = make_arithmetic_splits(200, 50, seed=9)
+    assert (len(train), len(evaluation)) == (200, 50)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in evaluation}
+    assert train[0]["query_id"] == "train-0" and evaluation[-1]["query_id"] == "eval-49"
+    assert (train, evaluation) == make_arithmetic_splits(200, 50, seed=9)
+
+
+def test_sft_and_paired_forms_keep_the_right_answer_and_a_wrong_one():
+    records = make_arithmetic_records(40, seed=2)
+    sft = as_sft_records(records)
+    assert [(r["prompt"], r["answer"]) for r in sft] == [
+        (r["prompt"], r["answer"]) for r in records
+    ]
+    paired = as_paired_records(records, seed=2, num_pairs=3)
+    assert paired == as_paired_records(records, seed=2, num_pairs=3)
+    for record, pair in zip(records, paired):
+        assert pair["pos_answers"] == [record["answer"]] * 3
+        assert len(pair["neg_answers"]) == 3
+        for wrong in pair["neg_answers"]:
+            assert wrong != record["answer"] and 1 <= abs(int(wrong) - int(record["answer"])) <= 10
+
+
+def test_written_files_pass_the_dataset_loaders(tmp_path):
+    paths = write_arithmetic_files(tmp_path, n_train=30, n_eval=10, seed=5)
+    assert sorted(paths) == [
+        "paired_eval", "paired_train", "rl_eval", "rl_train", "sft_eval", "sft_train",
+    ]  # fmt: skip
+    prompts = load_prompt_records(paths["rl_train"])
+    assert len(prompts) == 30 and prompts[0]["query_id"] == "train-0"
+    assert len(load_sft_records(paths["sft_eval"])) == 10
+    assert load_paired_records(paths["paired_train"])[0]["pos_answers"] == [prompts[0]["answer"]]
