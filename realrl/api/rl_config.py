@@ -48,11 +48,10 @@ class KLEstimator(str, enum.Enum):
     k3 = "k3"
 
 
-class LossAggregation(str, enum.Enum):
-    token_mean = "token-mean"
-    seq_mean_token_sum = "seq-mean-token-sum"
-    seq_mean_token_mean = "seq-mean-token-mean"
-    seq_mean_token_sum_norm = "seq-mean-token-sum-norm"
+# A plain string (not an Enum): OmegaConf matches enums by member name, and these names have
+# dashes that users type as they appear in the literature.
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
 
 
 class ValueNormType(str, enum.Enum):
@@ -88,37 +87,50 @@ class PPOHyperparameters:
     dual_clip: float | None = help_field(
         None, "Dual-clip constant c > 1 bounding the loss for negative advantages; null: off."
     )
-    early_stop_imp_ratio: float | None = help_field(
-        None, "Skip a mini-batch update whose mean importance ratio exceeds this; null: off."
+    ratio_early_stop: float | None = help_field(
+        None, "Zero a micro-batch's policy loss if its mean ratio leaves [1-b, 1+b]; null: off."
     )
-    value_eps_clip: float = help_field(0.2, "Value clip range around the old values.")
-    kl_ctl: float = help_field(0.1, "KL coefficient; 0 drops the reference model (ref_inf).")
+    value_eps_clip: float | None = help_field(
+        0.2, "Value clip range around the old values; null: no value clipping."
+    )
+    entropy_coef: float = help_field(0.0, "Entropy bonus coefficient (entropy is always logged).")
+    kl_ctl: float = help_field(
+        0.1, "KL coefficient (initial value if adaptive); 0 drops the reference model (ref_inf)."
+    )
     kl_estimator: KLEstimator = help_field(KLEstimator.k1, "KL estimator: k1 | k2 | k3.")
+    kl_clamp: float | None = help_field(None, "Clamp the per-token KL estimate to [-c, c].")
     use_kl_loss: bool = help_field(
         False, "Put KL in the policy loss (GRPO-style) instead of the per-token reward."
     )
-    adaptive_kl: bool = help_field(False, "Adaptive KL controller (Ziegler et al. 2019).")
-    kl_target: float = help_field(6.0, "Adaptive KL target.")
-    kl_horizon: int = help_field(10000, "Adaptive KL horizon in samples.")
+    adaptive_kl_target: float | None = help_field(
+        None, "Target KL of the adaptive controller (Ziegler et al. 2019); null: fixed kl_ctl."
+    )
+    adaptive_kl_horizon: int = help_field(10000, "Adaptive KL horizon in samples.")
     gamma: float = help_field(1.0, "Discount factor.")
     lam: float = help_field(1.0, "GAE lambda.")
-    loss_agg_mode: LossAggregation = help_field(
-        LossAggregation.token_mean,
+    adv_norm: bool = help_field(True, "Whiten advantages over the batch (across dp ranks).")
+    whiten_eps: float = help_field(1e-5, "Epsilon of advantage whitening (a-mean)/sqrt(var+eps).")
+    group_std_eps: float = help_field(1e-6, "Epsilon of GRPO's (r-mean)/(std+eps).")
+    loss_agg_mode: str = help_field(
+        "token-mean",
         "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; the "
         "denominator spans the whole mini-batch across micro-batches and data-parallel ranks.",
     )
+    loss_agg_norm_length: int | None = help_field(
+        None, "Constant L of seq-mean-token-sum-norm; null: gen.max_new_tokens."
+    )
     reward_scaling: float = help_field(1.0, "Task reward multiplier (applied after the bias).")
-    reward_bias: float = help_field(0.0, "Added to the task reward before scaling.")
-    reward_clip: float = help_field(20.0, "Clip task rewards to [-reward_clip, reward_clip].")
+    reward_bias: float = help_field(0.0, "Subtracted from the task reward before scaling.")
+    reward_clip: float | None = help_field(
+        20.0, "Clip scaled task rewards to [-reward_clip, reward_clip]; null: no clipping."
+    )
     mask_no_eos_with_zero: bool = help_field(False, "Truncated responses get zero task reward.")
-    mask_truncated_in_loss: bool = help_field(False, "Truncated responses are left out of the loss.")
+    mask_too_long: bool = help_field(False, "Truncated responses are left out of the loss.")
     overlong_buffer_len: int = help_field(0, "DAPO overlong shaping: soft buffer length (0: off).")
     overlong_penalty_factor: float = help_field(1.0, "DAPO overlong shaping: largest penalty.")
     value_norm: bool = help_field(False, "Normalise critic targets with running statistics.")
     value_norm_type: ValueNormType = help_field(ValueNormType.ema, "ema | moving_average.")
     value_norm_beta: float = help_field(0.99995, "EMA decay of the value normaliser.")
-    adv_norm: bool = help_field(True, "Whiten advantages over the batch (across dp ranks).")
-    entropy_coef: float = help_field(0.0, "Entropy bonus coefficient (entropy is always logged).")
     dynamic_sampling: bool = help_field(
         False, "DAPO dynamic sampling: drop groups whose rewards are all equal and regenerate."
     )
@@ -132,6 +144,11 @@ class PPOHyperparameters:
             problems.append(
                 f"`{prefix}.adv_estimator={self.adv_estimator}` is unknown; choose one of "
                 f"{', '.join(ADVANTAGE_ESTIMATORS)}."
+            )
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            problems.append(
+                f"`{prefix}.loss_agg_mode={self.loss_agg_mode}` is unknown; choose one of "
+                f"{', '.join(LOSS_AGG_MODES)}."
             )
         if self.disable_value and self.adv_estimator == "gae":
             problems.append(

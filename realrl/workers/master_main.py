@@ -34,8 +34,8 @@ def step_metrics(result: StepResult, step_seconds: float) -> dict[str, float]:
         metrics[f"timing/{name}"] = seconds
     compute = sum(result.compute.values())
     metrics["timing/step_s"] = step_seconds
-    metrics["timing/compute_s"] = compute
-    metrics["timing/overhead_fraction"] = max(0.0, 1.0 - compute / max(step_seconds, 1e-9))
+    metrics["perf/compute_s"] = compute
+    metrics["perf/overhead_fraction"] = max(0.0, 1.0 - compute / max(step_seconds, 1e-9))
     return metrics
 
 

@@ -1,0 +1,253 @@
+"""The PPO-family policy: rollouts (``actor_gen``) and the clipped-surrogate update (``actor_train``).
+
+One ``train_step`` follows the recipe of Schulman et al. 2017 with the LLM details of
+Ouyang et al. 2022 and the estimator chosen by ``ppo.adv_estimator``:
+
+1. task rewards are shaped (`realrl.interfaces.common.prepare_ppo_batch`), spread over
+   tokens with the KL penalty, and turned into advantages, whitened over the data-parallel
+   group;
+2. ``num_epochs`` x ``num_minibatches`` optimizer steps, each over a strided mini-batch of
+   this rank's samples; the loss denominator of every step is global (all micro-batches,
+   all ranks, `realrl.algo.aggregation`), so the engine's summed gradients equal one process
+   training on the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from realrl.algo.aggregation import aggregate_loss, loss_normaliser
+from realrl.algo.kl import kl_estimate
+from realrl.algo.layout import packed_entropy, packed_shifted_logprobs, response_mask
+from realrl.algo.losses import entropy_bonus_loss, ppo_policy_loss
+from realrl.api.data import SequenceSample
+from realrl.api.dfg import MicroBatchSpec
+from realrl.interfaces.base import MFCResult
+from realrl.interfaces.common import (
+    DistributedMeans,
+    PPOTrainingState,
+    prepare_ppo_batch,
+    reduction_device,
+    require_engine,
+    sampling_config,
+    shifted_logprobs,
+    shifted_seqlens,
+    strided_minibatches,
+)
+from realrl.interfaces.configs import PPOActorConfig
+from realrl.models.generation import generate
+
+logger = logging.getLogger(__name__)
+
+
+class PPOActorInterface:
+    def __init__(self, config: PPOActorConfig) -> None:
+        if config.generation_size < config.group_size:
+            raise ValueError(
+                f"generation_size={config.generation_size} must be >= group_size="
+                f"{config.group_size}"
+            )
+        self.config = config
+        self.ppo = config.ppo
+        self.state = PPOTrainingState(config.ppo, config.generation.max_new_tokens)
+        # seq-mean-token-sum-norm's constant length: ppo.loss_agg_norm_length or max_new_tokens.
+        self.norm_length = config.ppo.loss_agg_norm_length or config.generation.max_new_tokens
+        self._warned_best_of_n = False
+
+    def optimizer_steps_per_call(self) -> int:
+        return self.ppo.num_epochs * self.ppo.num_minibatches
+
+    # ------------------------------------------------------------------ actor_gen
+    def generate(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
+        """``generation_size`` responses per prompt; the first ``group_size`` are kept.
+
+        Keeping the best of n needs rewards, which only exist after ``rew_inf``; until the graph
+        supports that, the extra responses are dropped (logged once).
+        """
+        engine = require_engine(engine, "ppo_actor", "generate")
+        config = self.config
+        if config.generation_size > config.group_size and not self._warned_best_of_n:
+            logger.warning(
+                "generation_size=%d > group_size=%d: best-of-n selection needs rewards, which "
+                "come after generation; keeping the first %d responses of each prompt",
+                config.generation_size,
+                config.group_size,
+                config.group_size,
+            )
+            self._warned_best_of_n = True
+        started = time.perf_counter()
+        output = generate(
+            engine.module,
+            data.data["packed_prompts"],
+            data.cu_seqlens("packed_prompts"),
+            sampling_config(config.generation, config.generation_size, engine),
+            engine.generator,
+        )
+        elapsed_s = time.perf_counter() - started
+        rollout = _rollout_sample(data, output, config.generation_size, config.group_size)
+        response_lens = output.response_lens.float()
+        stats = {
+            "response_length": float(response_lens.mean()),
+            "no_eos_fraction": float(output.no_eos.float().mean()),
+            "generated_tokens_per_s": float(response_lens.sum()) / max(elapsed_s, 1e-9),
+        }
+        return MFCResult(data=rollout, stats=stats)
+
+    # ------------------------------------------------------------------ inference
+    def inference(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
+        """Recompute ``packed_logprobs`` (shifted, temperature 1) with the current weights."""
+        engine = require_engine(engine, "ppo_actor", "inference")
+        return MFCResult(data=shifted_logprobs(engine, data, microbatch, "packed_logprobs"))
+
+    # ------------------------------------------------------------------ actor_train
+    def train_step(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
+        engine = require_engine(engine, "ppo_actor", "train_step")
+        group, device = engine.parallel.dp_group, reduction_device(engine)
+        prepared, means = prepare_ppo_batch(self.state, data, group, device)
+        prepared = prepared.to(engine.device)
+        ppo, mode = self.ppo, _enum_value(self.ppo.loss_agg_mode)
+        step_stats: list[dict] = []
+        for _ in range(ppo.num_epochs):
+            for minibatch in strided_minibatches(prepared, ppo.num_minibatches):
+                normaliser = loss_normaliser(
+                    mode,
+                    minibatch.data["loss_mask"],
+                    minibatch.cu_seqlens("packed_input_ids"),
+                    process_group=group,
+                    norm_length=self.norm_length,
+                )
+                microbatches, _, _ = minibatch.split_microbatches(
+                    microbatch.max_tokens_per_microbatch, microbatch.min_num_microbatches
+                )
+
+                def loss_fn(module, part, normaliser=normaliser):
+                    return self._loss(module, part, normaliser, mode)
+
+                step_stats.append(engine.train_microbatches(microbatches, loss_fn))
+        stats = _reduce_train_stats(step_stats, means, group, device)
+        stats.update(self.state.update_kl_controller(stats))
+        return MFCResult(stats=stats)
+
+    def _loss(self, module, part: SequenceSample, normaliser: torch.Tensor, mode: str):
+        """This micro-batch's share of the mini-batch loss, and its statistics as sums."""
+        ppo = self.ppo
+        packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
+        cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
+        loss_mask = part.data["loss_mask"]  # [total_tokens - num_seqs]
+        logits = module(packed_input_ids, cu_seqlens)  # [total_tokens, vocab]
+        logprobs = packed_shifted_logprobs(logits, packed_input_ids, cu_seqlens)
+        policy = ppo_policy_loss(
+            logprobs,
+            part.data["old_logprobs"],
+            part.data["advantages"],
+            loss_mask,
+            eps_clip=ppo.eps_clip,
+            eps_clip_high=ppo.eps_clip_high,
+            dual_clip=ppo.dual_clip,
+            ratio_early_stop=ppo.ratio_early_stop,
+        )
+        entropy_logits = logits if ppo.entropy_coef != 0.0 else logits.detach()
+        entropy = packed_entropy(entropy_logits, cu_seqlens)  # [total_tokens - num_seqs]
+        per_token = policy.per_token_loss + entropy_bonus_loss(entropy, loss_mask, ppo.entropy_coef)
+        kl_loss = torch.zeros_like(logprobs)
+        if ppo.use_kl_loss and "ref_logprobs" in part.keys:
+            estimator = _enum_value(ppo.kl_estimator)
+            kl_loss = kl_estimate(logprobs, part.data["ref_logprobs"], estimator, ppo.kl_clamp)
+            per_token = per_token + self.state.kl_coef * kl_loss
+        per_token = per_token * (1.0 - policy.stats["early_stopped"])
+        loss = aggregate_loss(per_token, loss_mask, cu_seqlens, mode, normaliser)
+        policy_share = aggregate_loss(
+            policy.per_token_loss, loss_mask, cu_seqlens, mode, normaliser
+        )
+        mask = loss_mask.float()
+        num_tokens = policy.stats["num_tokens"]
+        stats = {
+            "loss": loss.detach(),
+            "policy_loss": policy_share.detach(),
+            "num_tokens": num_tokens,
+            "clip_tokens": policy.stats["clip_fraction"] * num_tokens,
+            "dual_clip_tokens": policy.stats["dual_clip_fraction"] * num_tokens,
+            "approx_kl_sum": policy.stats["approx_kl"] * num_tokens,
+            "ratio_sum": policy.stats["ratio_mean"] * num_tokens,
+            "entropy_sum": (entropy.detach() * mask).sum(),
+            "kl_loss_sum": (kl_loss.detach() * mask).sum(),
+            "early_stopped": policy.stats["early_stopped"],
+        }
+        return loss, stats
+
+
+# Per-token sums returned by `_loss`, reported as means over response tokens.
+_TOKEN_SUMS = {
+    "clip_tokens": "clip_fraction",
+    "dual_clip_tokens": "dual_clip_fraction",
+    "approx_kl_sum": "approx_kl",
+    "ratio_sum": "importance_ratio",
+    "entropy_sum": "entropy",
+    "kl_loss_sum": "kl_loss_term",
+}
+
+
+def _reduce_train_stats(step_stats: list[dict], means: DistributedMeans, group, device) -> dict:
+    """Global statistics of a train step: one all-reduce for rollout and loss statistics.
+
+    ``loss``/``policy_loss`` are each rank's share of a step's global loss, so their sum over
+    ranks, averaged over the optimizer steps, is the mean mini-batch loss. ``grad_norm`` and
+    ``lr`` are identical on every rank (taken after the gradient all-reduce).
+    """
+    num_steps = len(step_stats)
+    for stats in step_stats:
+        for name in ("loss", "policy_loss", "early_stopped"):
+            means.add_global_total(name, stats[name], num_steps)
+        for name, reported in _TOKEN_SUMS.items():
+            means.add(reported, stats[name], stats["num_tokens"])
+    result = means.reduce(group, device)
+    result["early_stopped_microbatches"] = result.pop("early_stopped")
+    result["grad_norm"] = sum(s["grad_norm"] for s in step_stats) / num_steps
+    result["lr"] = step_stats[-1]["lr"]
+    result["optimizer_steps"] = float(num_steps)
+    return result
+
+
+def _enum_value(value) -> str:
+    return getattr(value, "value", value)
+
+
+def _rollout_sample(data: SequenceSample, output, generation_size: int, group_size: int):
+    """Pack the generation output as one sample per prompt holding ``group_size`` sequences."""
+    num_seqs = output.cu_seqlens.numel() - 1
+    keep_seq = (torch.arange(num_seqs) % generation_size) < group_size  # [num_seqs]
+    seq_lens = (output.cu_seqlens[1:] - output.cu_seqlens[:-1]).long().cpu()  # [num_seqs]
+    prompt_lens = output.prompt_lens.long().cpu()
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs), seq_lens)  # [total_tokens]
+    position = (
+        torch.arange(token_seq.numel())
+        - torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0))[token_seq]
+    )
+    packed_input_ids = output.packed_input_ids.cpu()
+    prompt_mask = position < prompt_lens[token_seq]  # [total_tokens]
+    # Shifted log-probs: 0 where the next token is a prompt token, else the engine's log-prob.
+    loss_mask = response_mask(prompt_lens, seq_lens)  # [total_tokens - num_seqs]
+    packed_logprobs = torch.zeros(loss_mask.shape, dtype=torch.float32)
+    packed_logprobs[loss_mask] = output.packed_logprobs.float().cpu()
+    shifted_seq = torch.repeat_interleave(torch.arange(num_seqs), seq_lens - 1)
+    kept_lens = seq_lens[keep_seq].tolist()
+    seqlens = [kept_lens[i * group_size : (i + 1) * group_size] for i in range(data.bs)]
+    return SequenceSample.from_tensors(
+        ids=data.ids,
+        seqlens={
+            "packed_input_ids": seqlens,
+            "prompt_mask": seqlens,
+            "packed_logprobs": shifted_seqlens(seqlens),
+            "seq_no_eos_mask": [[1] * group_size for _ in range(data.bs)],
+        },
+        data={
+            "packed_input_ids": packed_input_ids[keep_seq[token_seq]].long(),
+            "prompt_mask": prompt_mask[keep_seq[token_seq]],
+            "packed_logprobs": packed_logprobs[keep_seq[shifted_seq]],
+            "seq_no_eos_mask": output.no_eos.cpu().bool()[keep_seq],
+        },
+        metadata=data.metadata,
+    )

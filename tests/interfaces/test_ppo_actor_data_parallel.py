@@ -1,0 +1,109 @@
+"""Two gloo processes training the PPO actor on halves of a batch match one process on all of it.
+
+This checks the global-denominator rule end to end: whitening statistics, loss normalisers
+and gradient sums span the data-parallel group, so the split must not change the update.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import EOS_ID, build_model, make_engine, rollout_batch
+
+from realrl.api.dfg import MicroBatchSpec
+from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
+from realrl.backends.torch_engine import ParallelContext
+from realrl.interfaces.configs import PPOActorConfig
+from realrl.interfaces.ppo_actor import PPOActorInterface
+from realrl.interfaces.reference import ReferenceInterface
+
+VOCAB_SIZE = 52
+MODES = ("token-mean", "seq-mean-token-mean")
+
+
+def _config(mode: str) -> PPOActorConfig:
+    ppo = PPOHyperparameters(
+        adv_estimator="grpo",
+        kl_ctl=0.05,
+        adv_norm=True,
+        num_minibatches=2,
+        loss_agg_mode=mode,
+        entropy_coef=0.01,
+    )
+    return PPOActorConfig(
+        ppo=ppo,
+        generation=GenerationHyperparameters(max_new_tokens=6),
+        group_size=2,
+        generation_size=2,
+    )
+
+
+def _rollout(engine, reference_engine):
+    """Four prompts with two responses each; rewards differ within and between groups."""
+    groups, rewards = [], []
+    for index in range(4):
+        prompt = [4 + index, 13, 5 + index, 17]
+        groups.append([(prompt, [20 + index, 9, EOS_ID]), (prompt, [30, 31 + index, 32, 33])])
+        rewards += [float(index % 2), 0.25 * index]
+    data = rollout_batch(engine, groups, rewards)
+    data.update_(ReferenceInterface().inference(reference_engine, data, MicroBatchSpec()).data)
+    return data
+
+
+def _train(parallel: ParallelContext, sample_indices: list[int]) -> dict[str, tuple]:
+    """Per mode: (parameters after two train steps, stats of the last step)."""
+    results = {}
+    for mode in MODES:
+        reference_engine = make_engine(build_model(VOCAB_SIZE, seed=1), None, lr=None)
+        engine = make_engine(
+            build_model(VOCAB_SIZE), None, lr=1e-3, parallel=parallel, adam_eps=1e-4
+        )
+        data = _rollout(engine, reference_engine).reorder(sample_indices)
+        actor = PPOActorInterface(_config(mode))
+        for _ in range(2):
+            stats = actor.train_step(
+                engine, data, MicroBatchSpec(max_tokens_per_microbatch=12)
+            ).stats
+        flat = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+        results[mode] = (flat, stats)
+    return results
+
+
+def _worker(rank: int, rendezvous: str, output: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1])
+        parallel = ParallelContext(dp_rank=rank, dp_size=2, dp_group=group)
+        results = _train(parallel, [0, 1] if rank == 0 else [2, 3])
+        torch.save(results, f"{output}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path):
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    output = str(tmp_path / "result")
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2, join=True)
+    single = _train(ParallelContext(), [0, 1, 2, 3])
+    ranks = [torch.load(f"{output}.rank{rank}", weights_only=False) for rank in range(2)]
+    for mode in MODES:
+        parameters, stats = single[mode]
+        for rank_results in ranks:
+            rank_parameters, rank_stats = rank_results[mode]
+            torch.testing.assert_close(rank_parameters, parameters, atol=1e-6, rtol=0)
+            for name in (
+                "loss",
+                "policy_loss",
+                "entropy",
+                "kl_to_ref",
+                "clip_fraction",
+                "advantage",
+                "task_reward",
+                "num_sequences",
+                "grad_norm",
+            ):
+                assert abs(rank_stats[name] - stats[name]) < 1e-5, (mode, name)
+        assert stats["num_sequences"] == 8

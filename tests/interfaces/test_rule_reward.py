@@ -1,0 +1,87 @@
+import json
+import string
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from realrl.api.data import SequenceSample
+from realrl.api.dfg import MicroBatchSpec
+from realrl.interfaces.configs import RuleRewardConfig
+from realrl.interfaces.rule_reward import RuleRewardInterface
+from realrl.models.tokenizer import build_char_tokenizer
+
+ADD_TESTS = json.dumps({"inputs": ["2 3\n"], "outputs": ["5\n"]})
+ADD_PROGRAM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+
+
+@pytest.fixture(scope="module")
+def printable_tokenizer(tmp_path_factory):
+    charset = "".join(c for c in string.printable if c not in "\r\x0b\x0c")
+    return build_char_tokenizer(tmp_path_factory.mktemp("printable"), charset=charset)
+
+
+def _batch(tokenizer, samples):
+    """samples: (prompt, [responses], metadata dict); every response ends with EOS."""
+    tokens, prompt_mask, seqlens = [], [], []
+    for prompt, responses, _ in samples:
+        prompt_ids, lengths = tokenizer.encode(prompt), []
+        for response in responses:
+            response_ids = tokenizer.encode(response) + [tokenizer.eos_token_id]
+            tokens += prompt_ids + response_ids
+            prompt_mask += [True] * len(prompt_ids) + [False] * len(response_ids)
+            lengths.append(len(prompt_ids) + len(response_ids))
+        seqlens.append(lengths)
+    names = ("answer", "solutions", "task", "input_output")
+    return SequenceSample.from_tensors(
+        ids=[f"q{i}" for i in range(len(samples))],
+        seqlens={"packed_input_ids": seqlens, "prompt_mask": seqlens},
+        data={"packed_input_ids": torch.tensor(tokens), "prompt_mask": torch.tensor(prompt_mask)},
+        metadata={name: [meta.get(name) for _, _, meta in samples] for name in names},
+    )
+
+
+def test_rule_reward_scores_math_and_code_sequences_by_task(printable_tokenizer):
+    data = _batch(
+        printable_tokenizer,
+        [
+            ("1+2=", ["3", "4", "the answer is \\boxed{3}"], {"answer": "3", "task": "math"}),
+            ("half?", ["0.5"], {"solutions": ["\\frac{1}{2}"], "task": "math"}),
+            (
+                "add:",
+                [ADD_PROGRAM, "```python\nprint(6)\n```"],
+                {"task": "code", "input_output": ADD_TESTS},
+            ),
+        ],
+    )
+    engine = SimpleNamespace(module=None, tokenizer=printable_tokenizer)
+    interface = RuleRewardInterface(RuleRewardConfig(math_timeout_s=10.0))
+    try:
+        result = interface.inference(engine, data, MicroBatchSpec())
+        verifier = interface._math_verifier
+        again = interface.inference(engine, data, MicroBatchSpec())
+        assert interface._math_verifier is verifier  # kept alive across calls
+    finally:
+        interface.close()
+    rewards = result.data
+    assert rewards.ids == data.ids
+    assert rewards.seqlens["rewards"] == [[1, 1, 1], [1], [1, 1]]
+    assert rewards.dtypes["rewards"] == torch.float32
+    assert rewards.data["rewards"].tolist() == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    assert again.data.data["rewards"].tolist() == rewards.data["rewards"].tolist()
+    assert result.stats["task_mean"] == pytest.approx(4 / 6)
+    assert result.stats["math_accuracy"] == pytest.approx(3 / 4)
+    assert result.stats["code_accuracy"] == pytest.approx(1 / 2)
+
+
+def test_rule_reward_explains_missing_references_and_tokenizer(printable_tokenizer):
+    data = _batch(printable_tokenizer, [("1+2=", ["3"], {"task": "math"})])
+    interface = RuleRewardInterface(RuleRewardConfig())
+    with pytest.raises(ValueError, match="neither `solutions` nor `answer`"):
+        interface.inference(
+            SimpleNamespace(module=None, tokenizer=printable_tokenizer), data, MicroBatchSpec()
+        )
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        interface.inference(None, data, MicroBatchSpec())
+    with pytest.raises(NotImplementedError, match="supports inference"):
+        interface.train_step(None, data, MicroBatchSpec())
