@@ -100,7 +100,6 @@ class DatasetConfig:
     batch_size: int = help_field(16, "Samples (prompts or pairs) per training step.")
     max_prompt_len: int = help_field(256, "Prompts with more tokens are dropped (counted in the log).")
     max_seq_len: int = help_field(512, "SFT/RW/DPO sequences are truncated to this many tokens.")
-    shuffle: bool = help_field(True, "Shuffle each epoch (seeded by `seed`).")
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

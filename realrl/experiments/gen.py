@@ -26,7 +26,7 @@ class GenerationExperimentConfig(BaseExperimentConfig):
     """Generate completions for {"prompt", ...} records into <run_dir>/generated.jsonl."""
 
     model: ModelRoleConfig = help_field(ModelRoleConfig(), "The model to sample from.")
-    dataset: DatasetConfig = help_field(DatasetConfig(batch_size=16, shuffle=False), "Prompts.")
+    dataset: DatasetConfig = help_field(DatasetConfig(batch_size=16), "Prompts.")
     gen: GenerationHyperparameters = help_field(GenerationHyperparameters(), "Generation.")
     n_samples: int = help_field(1, "Completions per prompt.")
     total_train_steps: int = help_field(1, "Batches to generate for (one pass: ceil(N / batch)).")

@@ -1,0 +1,28 @@
+"""Packed-sequence transformer (Llama / Qwen2 / Mistral families), HF checkpoints, generation.
+
+Submodules: `config` (ModelConfig), `families` (HF config and weight-name mapping),
+`transformer` (the model), `attention` (packed attention kernels), `checkpoint`
+(load_pretrained / save_pretrained), `generation` + `sampling` (KV-cache sampling),
+`tensor_parallel` (column/row-parallel layers, state-dict sharding) and `tokenizer`
+(imported on its own because it pulls in transformers).
+"""
+
+from realrl.models.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from realrl.models.config import ModelConfig
+from realrl.models.families import from_hf_state_dict, get_family, to_hf_state_dict
+from realrl.models.generation import GenerationConfig, GenerationOutput, generate
+from realrl.models.transformer import Transformer
+
+__all__ = [
+    "CheckpointError",
+    "GenerationConfig",
+    "GenerationOutput",
+    "ModelConfig",
+    "Transformer",
+    "from_hf_state_dict",
+    "generate",
+    "get_family",
+    "load_pretrained",
+    "save_pretrained",
+    "to_hf_state_dict",
+]

@@ -1,0 +1,256 @@
+"""Batched sampling with a preallocated key/value cache, in plain torch (CPU and GPU).
+
+Notation: `num_prompts` prompts, each sampled `n` times, give `num_seqs = num_prompts * n`
+sequences, grouped: the n samples of prompt 0 first, then those of prompt 1, and so on.
+
+How it works. The prompts are run once through the packed forward (no padding), which
+also writes their keys/values into a cache laid out left-padded: prompt b occupies columns
+[max_prompt_len - len_b, max_prompt_len) of a key buffer and a value buffer, each
+[num_seqs, kv_heads, max_prompt_len + max_new_tokens, head_dim] per layer (repeated n
+times after prefill). Every decode step then writes one column shared by all rows, so the
+cache write is a plain slice assignment, and attention reads the columns [0, current]
+under a fixed padding mask. Rotary positions stay per row (len_b + step), so left padding
+never changes the math.
+
+Log-probabilities. `packed_logprobs` holds, for each sampled response token, its log-prob
+under the model's *unmodified* next-token distribution: log_softmax of the raw logits at
+temperature 1, with no top-k/top-p and no min_new_tokens masking. That is exactly what a
+training forward computes for the same tokens, so the PPO ratio pi/pi_old starts at 1.
+The log-probs of the distribution actually sampled from (temperature, top-k, top-p, EOS
+masking applied) are returned as `packed_sampling_logprobs` when asked for.
+
+Speed. At small model sizes the matmuls are a third of the time and per-op overhead the
+rest, so a decode step issues few ops: fused qkv and gate/up projections, one rotary call
+for queries and keys together, cos/sin precomputed for every step, copy-free cache reads,
+inverse-CDF sampling (one uniform per row; `exponential_`/`multinomial` cost 10-30x more
+on CPU), and a host sync ("all done?") only every `check_done_every` steps. Finished rows
+keep decoding (their tokens are ignored): cheaper than compacting the batch at these
+sizes. torch.compile is not used (not measured): the attended length grows every step, so
+it would need dynamic shapes and tens of seconds of compile time on a small CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from realrl.models.attention import PackedLayout, varlen_attention
+from realrl.models.sampling import (
+    GenerationConfig,
+    GenerationOutput,
+    choose_tokens,
+    pack_outputs,
+)
+from realrl.models.transformer import Transformer
+
+__all__ = ["GenerationConfig", "GenerationOutput", "generate"]
+
+
+@dataclasses.dataclass
+class _Cache:
+    keys: torch.Tensor  # [layers, num_rows, kv_heads, max_columns, head_dim]
+    values: torch.Tensor  # [layers, num_rows, kv_heads, max_columns, head_dim]
+    score_bias: (
+        torch.Tensor
+    )  # [num_rows, 1, 1, max_columns]: 0 where a column holds a real token, else -inf
+    num_kv_heads: int
+    scale: float  # 1 / sqrt(head_dim)
+
+
+def _prefill(model: Transformer, packed_prompts, layout: PackedLayout, cache: _Cache, pad_offsets):
+    """Runs the prompts, fills the cache, returns last-token logits [num_prompts, vocab]."""
+    layout.ensure_token_indices()
+    rows, columns = (
+        layout.sequence_index,
+        pad_offsets[layout.sequence_index] + layout.index_in_sequence,
+    )
+
+    def attend(layer_index, query, key, value):
+        cache.keys[layer_index][rows, :, columns] = key
+        cache.values[layer_index][rows, :, columns] = value
+        return varlen_attention(
+            query, key, value, layout, model.config.sliding_window, model.attention_kernel
+        )
+
+    hidden = model.hidden_states(packed_prompts, layout.index_in_sequence, attend)
+    last_hidden = hidden[layout.cu_seqlens[1:].long() - 1]  # [num_prompts, hidden]
+    return model.head(last_hidden).float()
+
+
+def _decode_step(model: Transformer, tokens, cos, sin, column: int, cache: _Cache):
+    """One token per row at cache column `column` -> logits [num_rows, vocab] (fp32)."""
+    kv_heads = cache.num_kv_heads
+    # Mistral's sliding window: a row's keys and query shift by the same left padding, so the
+    # window is the same column range for every row.
+    window = model.config.sliding_window
+    first = 0 if window is None else max(0, column + 1 - window)
+    bias = cache.score_bias[..., first : column + 1]  # [rows, 1, 1, columns]: 0 or -inf
+    # At one query per row, four small ops beat SDPA's CPU kernel (fp32 and bf16); GPUs keep SDPA.
+    manual_attention = tokens.device.type == "cpu"
+
+    def attend(layer_index, query, key, value):
+        # query [rows, heads, dim]; key, value [rows, kv_heads, dim]
+        cache.keys[layer_index][:, :, column] = key
+        cache.values[layer_index][:, :, column] = value
+        # Separate key and value buffers keep these slices views that matmul needs no copy of.
+        keys = cache.keys[layer_index][:, :, first : column + 1]  # [rows, kv, columns, dim]
+        values = cache.values[layer_index][:, :, first : column + 1]
+        # The query heads sharing a kv head act as that head's queries: no kv repetition.
+        grouped_query = query.unflatten(1, (kv_heads, -1)) * cache.scale  # [rows, kv, groups, dim]
+        if not manual_attention:
+            out = F.scaled_dot_product_attention(
+                grouped_query, keys, values, attn_mask=bias, scale=1.0
+            )
+            return out.flatten(1, 2)
+        scores = torch.matmul(grouped_query, keys.transpose(-1, -2))  # [rows, kv, groups, cols]
+        scores.add_(bias)
+        return torch.matmul(scores.softmax(-1), values).flatten(1, 2)
+
+    hidden = model.embedding(tokens)
+    for layer in model.layers:
+        hidden = layer(hidden, cos, sin, attend)
+    return model.head(model.final_norm(hidden)).float()
+
+
+def _allocate_cache(
+    model: Transformer, prompt_lens: torch.Tensor, max_prompt_len: int, max_new_tokens: int
+) -> _Cache:
+    config = model.config
+    num_kv_heads = model.layers[0].attention.num_kv_heads
+    num_columns = max_prompt_len + max_new_tokens
+    shape = (
+        config.num_hidden_layers,
+        prompt_lens.shape[0],
+        num_kv_heads,
+        num_columns,
+        config.head_dim,
+    )
+    keys = torch.zeros(shape, dtype=model.dtype, device=model.device)
+    values = torch.zeros(shape, dtype=model.dtype, device=model.device)
+    column_index = torch.arange(num_columns, device=model.device)
+    is_padding = column_index[None, :] < (max_prompt_len - prompt_lens)[:, None]  # [rows, columns]
+    score_bias = torch.zeros(is_padding.shape, dtype=model.dtype, device=model.device)
+    score_bias.masked_fill_(is_padding, float("-inf"))
+    return _Cache(keys, values, score_bias[:, None, None, :], num_kv_heads, config.head_dim**-0.5)
+
+
+@dataclasses.dataclass
+class _Record:
+    """What every decode step writes: tokens, log-probs and stopping state per row."""
+
+    tokens: torch.Tensor  # [num_seqs, max_new_tokens]
+    logprobs: torch.Tensor  # [num_seqs, max_new_tokens] under the unmodified distribution
+    sampling_logprobs: torch.Tensor | None  # [num_seqs, max_new_tokens]
+    finished: torch.Tensor  # [num_seqs] bool: sampled EOS/stop
+    response_lens: torch.Tensor  # [num_seqs]
+    steps_done: int = 0
+
+    @classmethod
+    def allocate(cls, num_seqs: int, max_new: int, with_sampling: bool, device) -> _Record:
+        logprobs = torch.zeros(num_seqs, max_new, dtype=torch.float32, device=device)
+        return cls(
+            tokens=torch.zeros(num_seqs, max_new, dtype=torch.long, device=device),
+            logprobs=logprobs,
+            sampling_logprobs=torch.zeros_like(logprobs) if with_sampling else None,
+            finished=torch.zeros(num_seqs, dtype=torch.bool, device=device),
+            response_lens=torch.zeros(num_seqs, dtype=torch.long, device=device),
+        )
+
+    def sample(self, logits, config: GenerationConfig, stop_ids: torch.Tensor, generator):
+        """Picks and records this step's tokens [num_seqs] from fp32 logits [num_seqs, vocab]."""
+        step = self.steps_done
+        logprobs = logits.log_softmax(-1)  # unmodified distribution
+        mask_stop = step < config.min_new_tokens
+        tokens, probs = choose_tokens(logits, logprobs, config, stop_ids, mask_stop, generator)
+        self.tokens[:, step] = tokens
+        self.logprobs[:, step] = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        if self.sampling_logprobs is not None:
+            chosen = probs.gather(1, tokens[:, None]).squeeze(1)
+            self.sampling_logprobs[:, step] = (chosen / probs.sum(-1)).log()
+        self.response_lens += ~self.finished
+        if stop_ids.numel() > 0:
+            self.finished |= torch.isin(tokens, stop_ids)
+        self.steps_done = step + 1
+        return tokens
+
+    def all_finished(self, check_every: int, has_stop_ids: bool) -> bool:
+        """The only host sync of the loop, done every `check_every` steps."""
+        if not has_stop_ids or self.steps_done % check_every != 0:
+            return False
+        return bool(self.finished.all())
+
+
+def _prefill_and_expand(
+    model: Transformer, packed_prompts, layout: PackedLayout, n: int, max_new: int
+):
+    """Prefill the distinct prompts once, then repeat cache and logits n times per prompt."""
+    prompt_lens = torch.tensor(layout.seq_lens, device=model.device)  # [num_prompts]
+    max_prompt_len = layout.max_seqlen
+    prompt_cache = _allocate_cache(model, prompt_lens, max_prompt_len, max_new)
+    pad_offsets = max_prompt_len - prompt_lens
+    logits = _prefill(model, packed_prompts, layout, prompt_cache, pad_offsets)
+    cache = _Cache(
+        prompt_cache.keys.repeat_interleave(n, dim=1),
+        prompt_cache.values.repeat_interleave(n, dim=1),
+        prompt_cache.score_bias.repeat_interleave(n, dim=0),
+        prompt_cache.num_kv_heads,
+        prompt_cache.scale,
+    )
+    return cache, logits.repeat_interleave(n, dim=0), prompt_lens
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    packed_prompts: torch.Tensor,  # [total_prompt_tokens]
+    prompt_cu_seqlens: torch.Tensor,  # [num_prompts + 1]
+    config: GenerationConfig,
+    generator: torch.Generator,
+) -> GenerationOutput:
+    """Sample `config.n` responses per prompt; see the module docstring for conventions.
+
+    `generator` must live on the model's device; the same seed gives the same output.
+    Costs two host syncs (reading the prompt lengths and, at the end, the response
+    lengths) plus one "all finished?" check every `config.check_done_every` steps.
+    """
+    if model.config.is_critic:
+        raise ValueError("generate() needs a language model, but this model is a critic")
+    config.validate()
+    device, max_new = model.device, config.max_new_tokens
+    packed_prompts = packed_prompts.to(device)
+    layout = PackedLayout.from_cu_seqlens(prompt_cu_seqlens.to(device))
+    model.rotary.ensure_capacity(layout.max_seqlen + max_new, device)
+    cache, logits, prompt_lens = _prefill_and_expand(
+        model, packed_prompts, layout, config.n, max_new
+    )
+    row_prompt_lens = prompt_lens.repeat_interleave(config.n)  # [num_seqs]
+    stop_ids = config.resolved_stop_ids(model.config.eos_token_ids)
+    stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    # cos/sin for every decode step up front: step s feeds its token at position len_b + s.
+    step_positions = row_prompt_lens[None, :] + torch.arange(max_new, device=device)[:, None]
+    all_cos, all_sin = model.rotary.lookup(step_positions, model.dtype)  # [max_new, rows, 1, dim]
+
+    record = _Record.allocate(
+        len(row_prompt_lens), max_new, config.return_sampling_logprobs, device
+    )
+    tokens = record.sample(logits, config, stop_tensor, generator)
+    for step in range(1, max_new):
+        if record.all_finished(config.check_done_every, bool(stop_ids)):
+            break
+        column = layout.max_seqlen + step - 1
+        cos, sin = all_cos[step - 1], all_sin[step - 1]
+        logits = _decode_step(model, tokens, cos, sin, column, cache)
+        tokens = record.sample(logits, config, stop_tensor, generator)
+    steps = record.steps_done
+    return pack_outputs(
+        packed_prompts,
+        prompt_lens,
+        config.n,
+        record.tokens[:, :steps],
+        record.logprobs[:, :steps],
+        None if record.sampling_logprobs is None else record.sampling_logprobs[:, :steps],
+        record.response_lens,
+        record.finished,
+    )

@@ -1,0 +1,174 @@
+"""The packed-sequence decoder-only transformer (Llama family: Llama 2/3, Qwen2, Mistral).
+
+Notation: `total_tokens` tokens from `num_seqs` sequences are concatenated without padding;
+`cu_seqlens` [num_seqs + 1] holds each sequence's start offset and the total at the end.
+
+A block never decides how attention is computed: it projects queries/keys/values and hands
+them to an `attend(layer_index, query, key, value)` callable. The packed training forward
+passes a varlen-attention callable; the generation engine passes one that writes into and
+reads from its key/value cache. So both paths share every weight and every line of math.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from realrl.models.attention import PackedLayout, varlen_attention
+from realrl.models.config import ModelConfig
+from realrl.models.layers import LayerFactory, PlainLayerFactory, RMSNorm, RotaryTable, apply_rotary
+
+logger = logging.getLogger(__name__)
+
+# attend(layer_index, query [.., heads, head_dim], key, value [.., kv_heads, head_dim]) -> [.., heads, head_dim]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"{what}={numerator} is not divisible by tensor-parallel size {denominator}"
+        )
+    return numerator // denominator
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with one fused query/key/value projection.
+
+    The fused weight stacks [q heads; k heads; v heads] along the output dimension (HF's
+    q_proj, k_proj, v_proj concatenated), so one matmul serves all three.
+    """
+
+    def __init__(self, config: ModelConfig, factory: LayerFactory) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = _divide(config.num_attention_heads, factory.tp_size, "num_attention_heads")
+        self.num_kv_heads = _divide(
+            config.num_key_value_heads, factory.tp_size, "num_key_value_heads"
+        )
+        global_qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim
+        self.qkv = factory.linear(config.hidden_size, global_qkv, config.qkv_bias, "column")
+        global_out = config.num_attention_heads * self.head_dim
+        self.output = factory.linear(global_out, config.hidden_size, False, "row")
+
+    def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """hidden [..., hidden_size] -> rotated query [..., heads, head_dim], key, value."""
+        qkv = self.qkv(hidden).unflatten(
+            -1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        )
+        rotated = apply_rotary(qkv[..., : self.num_heads + self.num_kv_heads, :], cos, sin)
+        query, key = rotated.split([self.num_heads, self.num_kv_heads], dim=-2)
+        value = qkv[..., self.num_heads + self.num_kv_heads :, :]
+        return query, key, value
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, config: ModelConfig, factory: LayerFactory) -> None:
+        super().__init__()
+        intermediate = config.intermediate_size
+        self.local_intermediate = _divide(intermediate, factory.tp_size, "intermediate_size")
+        self.gate_up = factory.linear(config.hidden_size, 2 * intermediate, False, "column")
+        self.down = factory.linear(intermediate, config.hidden_size, False, "row")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(hidden).split(self.local_intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, factory: LayerFactory, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config, factory)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, factory)
+
+    def forward(self, hidden, cos, sin, attend: AttendFn) -> torch.Tensor:
+        query, key, value = self.attention.project(self.attention_norm(hidden), cos, sin)
+        attended = attend(self.layer_index, query, key, value)  # [..., heads, head_dim]
+        hidden = hidden + self.attention.output(attended.flatten(-2))
+        return hidden + self.mlp(self.mlp_norm(hidden))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM over packed sequences; with `config.is_critic` a scalar value model."""
+
+    def __init__(self, config: ModelConfig, factory: LayerFactory | None = None) -> None:
+        super().__init__()
+        factory = factory or PlainLayerFactory()
+        self.config = config
+        self.attention_kernel = "auto"
+        self.embedding = factory.embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Block(config, factory, i) for i in range(config.num_hidden_layers)
+        )
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryTable(config)
+        self.lm_head: nn.Module | None = None
+        self.value_head: nn.Linear | None = None
+        if config.is_critic:
+            # Zero init: a fresh critic predicts 0 for every token and is trained from there.
+            self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
+            nn.init.zeros_(self.value_head.weight)
+        elif not config.tie_word_embeddings:
+            self.lm_head = factory.lm_head(config.hidden_size, config.vocab_size)
+
+    def hidden_states(
+        self, packed_input_ids: torch.Tensor, position_ids: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        """Final-normed hidden states [*ids.shape, hidden]; rotary capacity must be ensured."""
+        hidden = self.embedding(packed_input_ids)
+        cos, sin = self.rotary.lookup(position_ids, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attend)
+        return self.final_norm(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM logits [..., vocab] in the model dtype, or fp32 values [...] for a critic."""
+        if self.value_head is not None:
+            return self.value_head(hidden).squeeze(-1).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if isinstance(self.embedding, nn.Embedding):
+            return F.linear(hidden, self.embedding.weight)
+        return self.embedding.tied_logits(hidden)  # a vocab-parallel embedding gathers the logits
+
+    def forward(
+        self,
+        packed_input_ids: torch.Tensor,  # [total_tokens]
+        cu_seqlens: torch.Tensor,  # [num_seqs + 1]
+        position_ids: torch.Tensor | None = None,  # [total_tokens]
+    ) -> torch.Tensor:
+        """Logits [total_tokens, vocab] (critic: values [total_tokens], fp32).
+
+        Position ids default to 0..len-1 within each sequence. Costs one host sync to read
+        the sequence lengths.
+        """
+        layout = PackedLayout.from_cu_seqlens(cu_seqlens)
+        if position_ids is None:
+            layout.ensure_token_indices()
+            position_ids = layout.index_in_sequence
+            self.rotary.ensure_capacity(layout.max_seqlen, self.device)
+        else:
+            self.rotary.ensure_capacity(int(position_ids.max()) + 1, self.device)
+        window, kernel = self.config.sliding_window, self.attention_kernel
+
+        def attend(layer_index, query, key, value):
+            return varlen_attention(query, key, value, layout, window, kernel)
+
+        return self.head(self.hidden_states(packed_input_ids, position_ids, attend))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.final_norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.final_norm.weight.device
