@@ -86,13 +86,20 @@ class SlurmConfig:
     exclude: str | None = help_field(None, "sbatch --exclude.")
     cpus_per_task: int | None = help_field(None, "CPUs per worker task (default: node CPUs / tasks).")
     mem_per_task_mb: int | None = help_field(None, "Memory per task in MB.")
-    gpu_request: str = help_field("gres", "How GPUs are requested: 'gres' (--gres=gpu:N) or 'gpus'.")
+    gpu_request: str = help_field(
+        "gres", "How GPUs are requested: 'gres' (--gres=gpu:N), 'gpus' (--gpus-per-node=N), or "
+        "'none' (CPU-only nodes: n_devices_per_node is then worker processes per node)."
+    )
     container_image: str | None = help_field(None, "pyxis --container-image for every srun step.")
     singularity_image: str | None = help_field(None, "Run every task under `singularity exec`.")
     extra_sbatch_args: list[str] = help_field([], "Extra sbatch arguments, verbatim.")
     extra_srun_args: list[str] = help_field([], "Extra srun arguments, verbatim.")
     env: dict[str, str] = help_field({}, "Environment variables exported to every task.")
     poll_interval_s: float = help_field(2.0, "How often the launcher polls squeue/sacct.")
+    python: str | None = help_field(
+        None, "Python interpreter on the nodes (default: the launcher's own; 'python3' in a "
+        "container)."
+    )
 
 
 @dataclass

@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
         plan = build_plan(config)
         if args.dry_run:
             out.write(plan.describe(to_yaml(config)))
+            if config.mode.value == "slurm":
+                from realrl.launcher.slurm import describe_dry_run
+
+                out.write("\n" + describe_dry_run(config))
             return 0
         from realrl.launcher.run import run_experiment
 

@@ -3,7 +3,9 @@
     python -m realrl.launcher.entry --run-dir DIR --store HOST:PORT --world-size N master
     python -m realrl.launcher.entry --run-dir DIR --store HOST:PORT --world-size N worker --rank R
 
-The master hosts the rendezvous store at HOST:PORT; workers connect to it.
+The master hosts the rendezvous store at HOST:PORT; workers connect to it. Under srun a worker
+omits --rank (it is $SLURM_PROCID) and passes --devices-per-node D, so that it can check its
+placement against the launch plan (see `realrl.launcher.slurm_task`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="role", required=True)
     sub.add_parser("master")
     worker = sub.add_parser("worker")
-    worker.add_argument("--rank", required=True, type=int)
+    worker.add_argument("--rank", type=int, help="default: $SLURM_PROCID (under srun)")
+    worker.add_argument("--devices-per-node", type=int,
+                        help="under srun: check rank -> (node, device) placement against it")
     args = parser.parse_args(argv)
 
     install_worker_logging()
@@ -40,10 +44,14 @@ def main(argv: list[str] | None = None) -> int:
 
         rendezvous = Rendezvous(host, int(port), is_host=True)
         return run_master(args.run_dir, rendezvous, args.world_size)
+    from realrl.launcher import slurm_task
     from realrl.workers.model_worker import serve
 
+    rank = args.rank if args.rank is not None else slurm_task.task_rank()
+    if args.devices_per_node is not None and slurm_task.under_srun():
+        slurm_task.bind_device(slurm_task.check_placement(rank, args.devices_per_node))
     rendezvous = Rendezvous(host, int(port), is_host=False)
-    serve(rendezvous, args.rank, args.world_size)
+    serve(rendezvous, rank, args.world_size)
     return 0
 
 
