@@ -100,11 +100,18 @@ class DatasetConfig:
     batch_size: int = help_field(16, "Samples (prompts or pairs) per training step.")
     max_prompt_len: int = help_field(256, "Prompts with more tokens are dropped (counted in the log).")
     max_seq_len: int = help_field(512, "SFT/RW/DPO sequences are truncated to this many tokens.")
+    builtin_train_size: int = help_field(
+        4096, "With an empty path: how many built-in arithmetic problems form the training set."
+    )
 
     def validate(self, prefix: str) -> list[str]:
         problems = []
         if self.batch_size < 1:
             problems.append(f"`{prefix}.batch_size={self.batch_size}` must be >= 1.")
+        if not 1 <= self.builtin_train_size <= 4096:
+            problems.append(
+                f"`{prefix}.builtin_train_size={self.builtin_train_size}` must be in [1, 4096]."
+            )
         if self.max_prompt_len < 1:
             problems.append(f"`{prefix}.max_prompt_len={self.max_prompt_len}` must be >= 1.")
         return problems

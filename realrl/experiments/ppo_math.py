@@ -53,7 +53,7 @@ class PPOMathConfig(BaseExperimentConfig):
     """PPO-family RL (PPO, GRPO, Dr.GRPO, DAPO, RLOO, REINFORCE++, ReMax) on math/code prompts."""
 
     actor: ModelRoleConfig = help_field(
-        ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-4)), "The policy."
+        ModelRoleConfig(optimizer=OptimizerConfig(lr=2e-4)), "The policy."
     )
     critic: ModelRoleConfig = help_field(
         ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-4)),
@@ -62,15 +62,20 @@ class PPOMathConfig(BaseExperimentConfig):
     ref: ModelRoleConfig = help_field(
         ModelRoleConfig(), "The frozen reference policy; path empty: actor.path."
     )
-    dataset: DatasetConfig = help_field(DatasetConfig(batch_size=8), "Prompts.")
-    group_size: int = help_field(4, "Responses per prompt that enter training.")
+    dataset: DatasetConfig = help_field(
+        DatasetConfig(batch_size=16, builtin_train_size=256), "Prompts."
+    )
+    group_size: int = help_field(8, "Responses per prompt that enter training.")
     generation_size: int | None = help_field(
         None, "Responses generated per prompt; > group_size keeps the best (best-of-n)."
     )
+    total_train_steps: int = help_field(300, "Number of training steps (graph executions).")
     ref_ema_eta: float | None = help_field(
         None, "After each actor_train: ref = eta * actor + (1 - eta) * ref; null: frozen ref."
     )
-    gen: GenerationHyperparameters = help_field(GenerationHyperparameters(), "Generation.")
+    gen: GenerationHyperparameters = help_field(
+        GenerationHyperparameters(max_new_tokens=8), "Generation."
+    )
     ppo: PPOHyperparameters = help_field(PPOHyperparameters(), "PPO-family hyperparameters.")
     reward: RewardSettings = help_field(RewardSettings(), "Rule-based rewards.")
     actor_gen: MFCConfig = help_field(MFCConfig(), "MFC actor_gen.")

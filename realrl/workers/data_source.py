@@ -30,12 +30,16 @@ logger = logging.getLogger(__name__)
 BUILTIN_DATA_SEED = 0
 BUILTIN_TRAIN_SIZE = 4096
 BUILTIN_EVAL_SIZE = 256
+BUILTIN_MAX_DIGITS = 2  # one- and two-digit operands: learnable by the tiny default model on a CPU
 
 
-def builtin_records(kind: DatasetKind, split: str = "train") -> list[dict]:
+def builtin_records(kind: DatasetKind, split: str = "train",
+                    train_size: int = BUILTIN_TRAIN_SIZE) -> list[dict]:
+    """The built-in arithmetic records; `train_size` takes the first problems of the fixed pool."""
     train, evaluation = make_arithmetic_splits(BUILTIN_TRAIN_SIZE, BUILTIN_EVAL_SIZE,
-                                               seed=BUILTIN_DATA_SEED)
-    records = train if split == "train" else evaluation
+                                               seed=BUILTIN_DATA_SEED,
+                                               max_digits=BUILTIN_MAX_DIGITS)
+    records = train[:train_size] if split == "train" else evaluation
     if kind == DatasetKind.sft:
         return as_sft_records(records)
     if kind == DatasetKind.paired:
@@ -43,10 +47,11 @@ def builtin_records(kind: DatasetKind, split: str = "train") -> list[dict]:
     return records
 
 
-def load_records(kind: DatasetKind, path: str) -> list[dict]:
+def load_records(kind: DatasetKind, path: str, builtin_train_size: int = BUILTIN_TRAIN_SIZE
+                 ) -> list[dict]:
     """Validated records: the file's (errors name file and line) or the built-in ones."""
     if not path:
-        return builtin_records(kind)
+        return builtin_records(kind, train_size=builtin_train_size)
     loader = {DatasetKind.prompt: load_prompt_records, DatasetKind.sft: load_sft_records,
               DatasetKind.paired: load_paired_records}[kind]
     return loader(path)
@@ -55,7 +60,7 @@ def load_records(kind: DatasetKind, path: str) -> list[dict]:
 class DataSource:
     def __init__(self, plan: RunPlan, tokenizer):
         settings = plan.dataset
-        records = load_records(plan.dataset_kind, settings.path)
+        records = load_records(plan.dataset_kind, settings.path, settings.builtin_train_size)
         source = settings.path or "built-in arithmetic data"
         if plan.dataset_kind == DatasetKind.prompt:
             self.dataset = PromptDataset(records, tokenizer, settings.max_prompt_len, source)

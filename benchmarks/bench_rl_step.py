@@ -1,0 +1,284 @@
+"""One RL step on a fixed tiny model: realrl against a hand-written loop and TRL, side by side.
+
+Workload (issue 8): the 3.95M-parameter Qwen2-architecture model of `bench_setup.py`, 8
+fixed-length arithmetic prompts x 4 samples x 32 new tokens per step, sampling at
+temperature 1. Systems:
+
+- `realrl-grpo`: `python -m realrl.apps.quickstart ppo-math` with `ppo.disable_value=true
+  ppo.adv_estimator=grpo ppo.kl_ctl=0` (critic-free, no reference: the same graph as TRL's
+  GRPO with `beta=0`), run through the real CLI in a fresh process tree;
+- `realrl-ppo`: full PPO (actor, critic, reference, rule reward; GAE, KL in the reward);
+- `loop`: `baseline_loop.py`, one process, transformers `generate` + one forward/backward;
+- `trl`: `trl_grpo.py`, TRL's `GRPOTrainer` (skipped when `trl` is not importable).
+
+Each configuration runs `--repeats` times in fresh processes, interleaved (system by system
+inside each repeat) so that load from other users of the machine hits all systems alike.
+The first `--warmup` steps of every run are dropped. Reported per system: seconds per step
+(median of per-run medians, with min-max over runs), the split into generate / inference /
+train / other (for realrl "other" is step time minus the worker-side compute of every MFC:
+transport, splitting, merging and reallocation), generated tokens/s, model FLOP/s against the
+fp32 and bf16 matmul ceilings measured at the start of the same run, and peak resident memory
+summed over every process of the run. Per run, also its wall and CPU seconds (all processes,
+start-up included) and the 1-minute load average when it started: on a shared machine a load
+above the core count means every system got less than its threads' worth of CPU.
+
+Threads: every system gets `--threads` (default 2, the machine's cores); realrl's launcher
+gives its model workers the cores between them (its master mostly waits on sockets).
+
+    .venv/bin/python benchmarks/bench_rl_step.py --repeats 3 --steps 4 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_setup import (  # noqa: E402
+    ModelShape,
+    ProcessTreeMemory,
+    load_average,
+    measure_matmul_gflops,
+    median_and_spread,
+    rl_step_flops,
+    write_benchmark_model,
+    write_prompt_file,
+)
+
+logger = logging.getLogger("bench_rl_step")
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+ALL_SYSTEMS = ("realrl-grpo", "loop", "trl", "realrl-ppo")
+GRPO_OVERRIDES = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"]
+PPO_OVERRIDES = ["ppo.adv_estimator=gae", "ppo.kl_ctl=0.1"]
+INFERENCE_MFCS = ("rew_inf", "ref_inf", "critic_inf")
+TRAIN_MFCS = ("actor_train", "critic_train")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", default="/tmp/realrl-bench",
+                        help="Model, prompts, run directories and results go here.")
+    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    parser.add_argument("--modes", default="fixed", help="fixed,natural (comma-separated).")
+    parser.add_argument("--precisions", default="float32", help="float32,bfloat16.")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="Steps per run, warm-up included.")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--realrl-workers", type=int, default=1,
+                        help="n_devices_per_node of the realrl runs (model-worker processes).")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="Per run.")
+    return parser.parse_args(argv)
+
+
+def realrl_command(args, system: str, mode: str, dtype: str, run_root: Path, trial: str):
+    overrides = GRPO_OVERRIDES if system == "realrl-grpo" else PPO_OVERRIDES
+    roles = ["actor"] if system == "realrl-grpo" else ["actor", "critic", "ref"]
+    return [
+        sys.executable, "-m", "realrl.apps.quickstart", "ppo-math", *overrides,
+        f"actor.path={args.model_dir}", f"dataset.path={args.prompt_file}",
+        f"dataset.batch_size={args.batch_size}", f"group_size={args.group_size}",
+        f"gen.max_new_tokens={args.max_new_tokens}",
+        f"gen.min_new_tokens={args.max_new_tokens if mode == 'fixed' else 0}",
+        *[f"{role}.dtype={dtype}" for role in roles],
+        *[f"{role}.gradient_checkpointing=false" for role in roles],
+        "actor.optimizer.lr=1e-4", f"n_devices_per_node={args.realrl_workers}",
+        f"total_train_steps={args.steps}", "wandb.mode=disabled", "tensorboard=false",
+        f"output_root={run_root}", f"experiment_name={system}", f"trial_name={trial}",
+    ]
+
+
+def baseline_command(args, system: str, mode: str, dtype: str, output: Path) -> list[str]:
+    script = "baseline_loop.py" if system == "loop" else "trl_grpo.py"
+    command = [sys.executable, str(BENCH_DIR / script), "--model", str(args.model_dir),
+               "--prompts", str(args.prompt_file), "--output", str(output),
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--group-size", str(args.group_size), "--max-new-tokens",
+               str(args.max_new_tokens), "--dtype", dtype, "--threads", str(args.threads)]
+    return command + (["--fixed-length"] if mode == "fixed" else [])
+
+
+def realrl_step_rows(metrics_file: Path, num_seqs: int) -> list[dict]:
+    rows = []
+    for line in metrics_file.read_text().splitlines():
+        metrics = json.loads(line)
+        timing = {k[len("timing/"):]: v for k, v in metrics.items() if k.startswith("timing/")}
+        realloc = sum(v for k, v in timing.items() if k.startswith("realloc/"))
+        step = metrics["timing/step_s"]
+        rows.append({
+            "step": metrics["step"], "step_s": step, "generate_s": timing.get("actor_gen", 0.0),
+            "inference_s": sum(timing.get(name, 0.0) for name in INFERENCE_MFCS),
+            "train_s": sum(timing.get(name, 0.0) for name in TRAIN_MFCS),
+            "other_s": step - metrics["perf/compute_s"], "realloc_s": realloc,
+            "generated_tokens": num_seqs * metrics.get("actor_gen/response_length", 0.0),
+        })
+    return rows
+
+
+def run_one(args, system: str, mode: str, dtype: str, repeat: int) -> dict:
+    """Run one configuration in a fresh process tree; its measured steps and peak memory."""
+    trial = f"{mode}-{dtype}-r{repeat}"
+    run_root = args.work_dir / "runs"
+    output = args.work_dir / "baselines" / f"{system}-{trial}.jsonl"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if system.startswith("realrl"):
+        command = realrl_command(args, system, mode, dtype, run_root, trial)
+        env = dict(os.environ)
+    else:
+        command = baseline_command(args, system, mode, dtype, output)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
+                   MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    log_file = args.work_dir / "logs" / f"{system}-{trial}.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    load_before = load_average()
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    with open(log_file, "w") as log, subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as process:
+        with ProcessTreeMemory(process.pid) as memory:
+            return_code = process.wait(timeout=args.timeout_s)
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    if return_code != 0:
+        raise RuntimeError(f"{system} ({trial}) exited with {return_code}; see {log_file}")
+    num_seqs = args.batch_size * args.group_size
+    if system.startswith("realrl"):
+        rows = realrl_step_rows(run_root / system / trial / "metrics.jsonl", num_seqs)
+    else:
+        rows = [json.loads(line) for line in output.read_text().splitlines()]
+    measured = [row for row in rows if row["step"] > args.warmup]
+    logger.info("%s %s: %s s/step (load %.1f)", system, trial,
+                [round(row["step_s"], 2) for row in measured], load_before)
+    return {"system": system, "mode": mode, "dtype": dtype, "repeat": repeat,
+            "steps": measured, "peak_memory_mib": memory.total_mib,
+            "num_processes": len(memory.peak_kib), "wall_s": time.perf_counter() - started,
+            "load_average_before": load_before, "cpu_s": cpu_s}
+
+
+def step_flops(args, system: str, generated_tokens: float) -> float:
+    shape = ModelShape.from_config_dir(args.model_dir)
+    num_seqs = args.batch_size * args.group_size
+    ppo = system == "realrl-ppo"
+    # PPO: reference and critic forwards; actor and critic trained. Prompts are 8 tokens.
+    return rl_step_flops(shape, num_seqs, 8, generated_tokens / num_seqs,
+                         num_forward_passes=2 if ppo else 0, num_trained_models=2 if ppo else 1)
+
+
+def summarise(args, runs: list[dict], ceilings: dict[str, float]) -> list[dict]:
+    summaries = []
+    keys = sorted({(r["mode"], r["dtype"], r["system"]) for r in runs},
+                  key=lambda k: (k[0], k[1], ALL_SYSTEMS.index(k[2])))
+    for mode, dtype, system in keys:
+        group = [r for r in runs if (r["mode"], r["dtype"], r["system"]) == (mode, dtype, system)]
+        steps = [s for r in group for s in r["steps"]]
+        per_run = [statistics.median(s["step_s"] for s in r["steps"]) for r in group if r["steps"]]
+        parts = {part: statistics.median(s.get(part, float("nan")) for s in steps)
+                 for part in ("generate_s", "inference_s", "train_s", "other_s", "realloc_s")}
+        tokens = statistics.median(s.get("generated_tokens", float("nan")) for s in steps)
+        step_s = statistics.median(per_run)
+        flops_per_s = step_flops(args, system, tokens) / step_s if tokens == tokens else None
+        summaries.append({
+            "system": system, "mode": mode, "dtype": dtype,
+            "step_s": median_and_spread(per_run), **parts,
+            "other_fraction": parts["other_s"] / step_s if system.startswith("realrl") else None,
+            "generated_tokens_per_s": tokens / parts["generate_s"] if tokens == tokens else None,
+            "model_gflops_per_s": flops_per_s / 1e9 if flops_per_s else None,
+            "fraction_of_ceiling": flops_per_s / 1e9 / ceilings[dtype] if flops_per_s else None,
+            "peak_memory_mib": statistics.median(r["peak_memory_mib"] for r in group),
+            "run_cpu_s": statistics.median(r["cpu_s"] for r in group),
+            "load_average": statistics.median(r["load_average_before"] for r in group),
+            "run_wall_s": statistics.median(r["wall_s"] for r in group),
+        })
+    return summaries
+
+
+def format_table(summaries: list[dict]) -> str:
+    def number(value, digits=2):
+        return "-" if value is None or value != value else f"{value:.{digits}f}"
+
+    lines = ["| mode | dtype | system | s/step (min-max) | gen | inf | train | other | "
+             "other % | gen tok/s | GFLOP/s (% ceil) | peak MiB | run wall/CPU s | load |",
+             "|" + "---|" * 14]
+    for s in summaries:
+        spread = s["step_s"]
+        lines.append(
+            f"| {s['mode']} | {s['dtype']} | {s['system']} | {number(spread['median'])} "
+            f"({number(spread['min'])}-{number(spread['max'])}, n={spread['n']}) | "
+            f"{number(s['generate_s'])} | {number(s['inference_s'])} | {number(s['train_s'])} | "
+            f"{number(s['other_s'])} | "
+            f"{number(100 * s['other_fraction'] if s['other_fraction'] is not None else None, 1)}"
+            f" | {number(s['generated_tokens_per_s'], 0)} | {number(s['model_gflops_per_s'], 1)}"
+            f" ({number(100 * (s['fraction_of_ceiling'] or float('nan')), 1)}%) | "
+            f"{number(s['peak_memory_mib'], 0)} | {number(s['run_wall_s'], 0)}/"
+            f"{number(s['run_cpu_s'], 0)} | {number(s['load_average'], 1)} |")
+    return "\n".join(lines)
+
+
+def speedups(runs: list[dict]) -> list[str]:
+    """realrl-grpo's speed-up over each baseline: the median over repeats of the ratio of the
+    two systems' median step times within one repeat (runs of a repeat are minutes apart, so
+    they share the machine's load better than runs of different repeats)."""
+    step_s = {(r["mode"], r["dtype"], r["system"], r["repeat"]): statistics.median(
+        s["step_s"] for s in r["steps"]) for r in runs if r["steps"]}
+    lines = []
+    for mode, dtype, system in sorted({key[:3] for key in step_s}):
+        if system not in ("loop", "trl"):
+            continue
+        ratios = [seconds / step_s[(mode, dtype, "realrl-grpo", repeat)]
+                  for (m, d, s, repeat), seconds in step_s.items()
+                  if (m, d, s) == (mode, dtype, system)
+                  and (mode, dtype, "realrl-grpo", repeat) in step_s]
+        if ratios:
+            lines.append(f"{mode} {dtype}: realrl-grpo is {statistics.median(ratios):.2f}x faster "
+                         f"than {system} (per-repeat ratios {[round(r, 2) for r in ratios]})")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    args.work_dir = Path(args.work_dir).resolve()
+    systems = [s for s in args.systems.split(",") if s]
+    if "trl" in systems and importlib.util.find_spec("trl") is None:
+        logger.warning("trl is not installed: skipping the TRL baseline")
+        systems.remove("trl")
+    args.model_dir = write_benchmark_model(args.work_dir / "model-small", "small")
+    args.prompt_file = write_prompt_file(args.work_dir / "prompts.jsonl")
+    torch.set_num_threads(args.threads)
+    ceilings = {"float32": measure_matmul_gflops(torch.float32),
+                "bfloat16": measure_matmul_gflops(torch.bfloat16)}
+    logger.info("matmul ceiling on %d threads: %.0f GFLOP/s fp32, %.0f GFLOP/s bf16",
+                args.threads, ceilings["float32"], ceilings["bfloat16"])
+    runs = []
+    for repeat in range(args.repeats):
+        for mode in args.modes.split(","):
+            for dtype in args.precisions.split(","):
+                for system in systems:
+                    runs.append(run_one(args, system, mode, dtype, repeat))
+    summaries = summarise(args, runs, ceilings)
+    result = {"ceilings_gflops": ceilings, "threads": args.threads, "summaries": summaries,
+              "runs": runs, "argv": sys.argv[1:]}
+    (args.work_dir / "results.json").write_text(json.dumps(result, indent=1))
+    sys.stdout.write(format_table(summaries) + "\n\n" + "\n".join(speedups(runs)) + "\n")
+    sys.stdout.write(f"matmul ceiling: {ceilings['float32']:.0f} GFLOP/s fp32, "
+                     f"{ceilings['bfloat16']:.0f} GFLOP/s bf16; results in "
+                     f"{args.work_dir / 'results.json'}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Shared pieces of the RL-step benchmarks: the fixed model, prompts, reward, FLOPs and meters.
+
+Every system under test (realrl through its CLI, the hand-written loop, TRL) reads the same
+files written here, so they start from identical weights, prompts and tokenizer:
+
+- `write_benchmark_model(dir, size)`: a Qwen2-architecture model built from a config with a
+  fixed seed and realrl's character tokenizer (vocab 55). "small" has 3.95M parameters.
+- `write_prompt_file(path)`: 3-digit additions such as `"876+141="` (8 tokens each), so every
+  prompt has the same length and no system pads.
+- `arithmetic_reward`: 1.0 when the decoded response (up to EOS) equals the answer.
+
+FLOP accounting (Kaplan et al. 2020, eq. 2.1 / table 1): a forward pass costs about
+`2 * N` FLOPs per token, where `N` counts the weights that take part in matrix multiplies
+(all linear layers and the LM head; the embedding lookup is free), plus `4 * L * d * ctx` for
+attention scores and values; a backward costs twice the forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MODEL_SIZES = {
+    # 3.95M parameters: the issue's "4M-parameter Qwen2-architecture model".
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=5,
+                  num_attention_heads=4, num_key_value_heads=2),
+    # 15.8M parameters, 4x "small", for reallocation-vs-size measurements.
+    "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=5,
+                   num_attention_heads=8, num_key_value_heads=4),
+}
+
+
+def write_benchmark_model(directory: str | Path, size: str = "small", seed: int = 0) -> Path:
+    """Write the benchmark model in Hugging Face format (idempotent for a given directory)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from realrl.models.tokenizer import build_char_tokenizer
+
+    directory = Path(directory)
+    if (directory / "config.json").is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer(directory)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256,
+        tie_word_embeddings=True, **MODEL_SIZES[size],
+    )
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def write_prompt_file(path: str | Path, num_prompts: int = 512, seed: int = 0) -> Path:
+    """Fixed-length arithmetic prompts in realrl's prompt JSONL format."""
+    from realrl.datasets.arithmetic import make_arithmetic_records, write_jsonl
+
+    path = Path(path)
+    records = make_arithmetic_records(num_prompts, seed, min_digits=3, max_digits=3, ops=("+",))
+    write_jsonl(records, path)
+    return path
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def arithmetic_reward(response: str, answer: str) -> float:
+    """1.0 for an exact answer (text before EOS, stripped), else 0.0."""
+    return 1.0 if response.split("<eos>")[0].strip() == answer else 0.0
+
+
+@dataclass
+class ModelShape:
+    matmul_params: int  # weights in linear layers and the LM head
+    num_layers: int
+    hidden_size: int
+
+    @classmethod
+    def from_config_dir(cls, directory: str | Path) -> ModelShape:
+        config = json.loads((Path(directory) / "config.json").read_text())
+        hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+        head_dim = hidden // config["num_attention_heads"]
+        kv_width = config["num_key_value_heads"] * head_dim
+        attention = hidden * hidden * 2 + hidden * kv_width * 2  # q, o, k, v
+        mlp = 3 * hidden * config["intermediate_size"]
+        lm_head = hidden * config["vocab_size"]
+        return cls(layers * (attention + mlp) + lm_head, layers, hidden)
+
+    def forward_flops(self, num_tokens: int, mean_context: float) -> float:
+        return 2.0 * self.matmul_params * num_tokens + (
+            4.0 * self.num_layers * self.hidden_size * mean_context * num_tokens)
+
+
+def rl_step_flops(shape: ModelShape, num_seqs: int, prompt_len: int, response_len: float,
+                  num_forward_passes: int, num_trained_models: int) -> float:
+    """Model FLOPs of one RL step: generation + extra forward passes + forward/backward."""
+    seq_len = prompt_len + response_len
+    generation = shape.forward_flops(int(num_seqs * seq_len), seq_len / 2)
+    forward = shape.forward_flops(int(num_seqs * seq_len), seq_len / 2)
+    return generation + num_forward_passes * forward + num_trained_models * 3.0 * forward
+
+
+def measure_matmul_gflops(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> float:
+    """Best-of-repeats square matmul throughput with the current torch thread count."""
+    left = torch.randn(size, size, dtype=dtype)
+    right = torch.randn(size, size, dtype=dtype)
+    left @ right  # warm-up
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        for _ in range(4):
+            left @ right
+        elapsed = time.perf_counter() - started
+        best = max(best, 4 * 2.0 * size**3 / elapsed / 1e9)
+    return best
+
+
+def _children_of() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    return children
+
+
+def _peak_rss_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class ProcessTreeMemory:
+    """Peak resident memory summed over a process and all its descendants.
+
+    A background thread reads every descendant's VmHWM (its own high-water mark) from /proc
+    a few times a second; the result is the sum of the last values seen per process, so a
+    process that grows after the last sample and then exits is under-counted by that growth.
+    """
+
+    def __init__(self, root_pid: int, interval_s: float = 0.2) -> None:
+        self.root_pid = root_pid
+        self.interval_s = interval_s
+        self.peak_kib: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> ProcessTreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            tree = _children_of()
+            pending = [self.root_pid]
+            while pending:
+                pid = pending.pop()
+                peak = _peak_rss_kib(pid)
+                if peak is not None:
+                    self.peak_kib[pid] = max(peak, self.peak_kib.get(pid, 0))
+                pending.extend(tree.get(pid, []))
+            self._stop.wait(self.interval_s)
+
+    @property
+    def total_mib(self) -> float:
+        return sum(self.peak_kib.values()) / 1024
+
+
+def median_and_spread(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]

@@ -1,0 +1,96 @@
+"""TRL's `GRPOTrainer` on the benchmark model, prompts and batch, for `bench_rl_step.py`.
+
+Settings are pinned so that TRL does the same work as realrl and the hand-written loop:
+`per_device_train_batch_size = batch_size * group_size` completions with
+`num_generations = group_size` (one optimizer step per generation batch), `beta=0` (no
+reference model, as realrl's `ppo.kl_ctl=0`), temperature 1 with no top-k/top-p, `use_cpu`,
+and `bf16` and `gradient_checkpointing` set explicitly (TRL's own defaults are bf16 where
+supported and gradient checkpointing on). Fixed-length mode passes `min_new_tokens`.
+
+Each optimizer step's wall time (generation, reward, forward, backward and optimizer inside
+it) is taken by a `TrainerCallback` and written to `--output` as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_setup import arithmetic_reward, read_prompts  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--fixed-length", action="store_true")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def reward_function(completions: list[str], answer: list[str], **unused) -> list[float]:
+    return [arithmetic_reward(text, expected) for text, expected in zip(completions, answer)]
+
+
+def run(args: argparse.Namespace) -> None:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(args.threads)
+    records = read_prompts(args.prompts)[: args.steps * args.batch_size]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in records])
+    output = open(args.output, "w")
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, train_args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, train_args, state, control, **kwargs):
+            self.step_s = time.perf_counter() - self.started
+
+        def on_log(self, train_args, state, control, logs=None, **kwargs):
+            # Called after on_step_end with the step's metrics (logging_steps=1).
+            if logs and "completions/mean_length" in logs:
+                tokens = float(logs["completions/mean_length"]) * args.batch_size * args.group_size
+                output.write(json.dumps({"step": state.global_step, "step_s": self.step_s,
+                                         "generated_tokens": tokens}) + "\n")
+                output.flush()
+
+    generation_kwargs = {"min_new_tokens": args.max_new_tokens} if args.fixed_length else {}
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-grpo-"), max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size * args.group_size,
+        num_generations=args.group_size, gradient_accumulation_steps=1,
+        max_completion_length=args.max_new_tokens, generation_kwargs=generation_kwargs,
+        temperature=1.0, top_k=0, top_p=1.0, beta=0.0, learning_rate=args.lr,
+        use_cpu=True, bf16=args.dtype == "bfloat16", gradient_checkpointing=False,
+        shuffle_dataset=False, save_strategy="no", report_to="none", logging_steps=1,
+        seed=args.seed, dataloader_num_workers=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_function, args=config,
+                          train_dataset=dataset, processing_class=tokenizer,
+                          callbacks=[StepTimer()])
+    trainer.train()
+    output.close()
+
+
+if __name__ == "__main__":
+    run(parse_args())

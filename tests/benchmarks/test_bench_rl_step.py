@@ -1,0 +1,51 @@
+"""The RL-step benchmark's bookkeeping: realrl's metrics split into parts, paired speed-ups."""
+
+import json
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH_DIR))
+
+from bench_rl_step import format_table, realrl_step_rows, speedups  # noqa: E402
+
+
+def test_realrl_step_rows_split_a_step_into_generate_inference_train_and_other(tmp_path):
+    metrics = {"step": 2, "timing/step_s": 10.0, "perf/compute_s": 9.2,
+               "timing/actor_gen": 4.0, "timing/rew_inf": 0.1, "timing/ref_inf": 1.0,
+               "timing/critic_inf": 0.9, "timing/actor_train": 2.0, "timing/critic_train": 1.5,
+               "timing/realloc/actor_gen": 0.3, "actor_gen/response_length": 30.0}
+    metrics_file = tmp_path / "metrics.jsonl"
+    metrics_file.write_text(json.dumps(metrics) + "\n")
+    [row] = realrl_step_rows(metrics_file, num_seqs=32)
+    assert row["generate_s"] == 4.0
+    assert abs(row["inference_s"] - 2.0) < 1e-12  # 0.1 + 1.0 + 0.9
+    assert row["train_s"] == 3.5
+    assert abs(row["other_s"] - 0.8) < 1e-12  # 10.0 - 9.2: outside every worker's compute
+    assert row["realloc_s"] == 0.3
+    assert row["generated_tokens"] == 960.0
+
+
+def _run(system, repeat, seconds):
+    return {"system": system, "mode": "fixed", "dtype": "float32", "repeat": repeat,
+            "steps": [{"step_s": s} for s in seconds]}
+
+
+def test_speedups_pair_runs_of_the_same_repeat():
+    runs = [_run("realrl-grpo", 0, [1.0, 1.2, 1.1]), _run("trl", 0, [3.3]),
+            _run("realrl-grpo", 1, [4.0]), _run("trl", 1, [8.0])]
+    # Repeat 0: 3.3 / 1.1 = 3.0; repeat 1: 8 / 4 = 2.0; median 2.5.
+    [line] = speedups(runs)
+    assert "2.50x faster than trl" in line and "[3.0, 2.0]" in line
+
+
+def test_format_table_prints_one_row_per_system():
+    summary = {"system": "loop", "mode": "fixed", "dtype": "float32",
+               "step_s": {"median": 2.0, "min": 1.5, "max": 2.5, "n": 2},
+               "generate_s": 1.5, "inference_s": 0.0, "train_s": 0.5, "other_s": float("nan"),
+               "other_fraction": None, "generated_tokens_per_s": 680.0,
+               "model_gflops_per_s": 10.0, "fraction_of_ceiling": 0.1, "peak_memory_mib": 600.0,
+               "run_wall_s": 20.0, "run_cpu_s": 38.0, "load_average": 2.1}
+    table = format_table([summary]).splitlines()
+    assert len(table) == 3
+    assert "| 2.00 (1.50-2.50, n=2) |" in table[2] and "10.0 (10.0%)" in table[2]
