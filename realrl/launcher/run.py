@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import socket
 import sys
 import time
@@ -49,12 +48,29 @@ def resolve_model_paths(config: BaseExperimentConfig) -> None:
             sections[name].path = sections[source].path
 
 
+def check_dataset(config: BaseExperimentConfig, plan: LaunchPlan) -> None:
+    """Validate a user dataset file here, before any process starts: a malformed line raises
+    `DatasetError` naming the file, the line and the problem (the CLI prints it, exit 2),
+    instead of a traceback from the master after every worker has loaded its models."""
+    if config.dataset.path:
+        from realrl.workers.data_source import load_records
+
+        load_records(plan.spec.dataset_kind, config.dataset.path)
+
+
 def prepare_run_dir(config: BaseExperimentConfig) -> Path:
+    """Create the run directory. With `recover_mode=disabled` an existing one is renamed to
+    `<name>.old-<time>` (never overwritten, never merged into another old run)."""
     run_dir = config.run_dir
     if run_dir.exists() and config.recover_mode == RecoverMode.disabled:
-        previous = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        previous = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+        suffix = 1
+        while previous.exists():  # two runs within one second
+            previous = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{suffix}")
+            suffix += 1
         logger.warning("recover_mode=disabled: moving the previous run to %s", previous)
-        shutil.move(run_dir, previous)
+        run_dir.rename(previous)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -108,6 +124,7 @@ def run_experiment(config: BaseExperimentConfig, plan: LaunchPlan, user_modules=
         return run_on_slurm(config, plan)
     resolve_model_paths(config)
     plan = build_plan(config)
+    check_dataset(config, plan)
     prepare_run_dir(config)
     write_run_files(config, plan)
     sys.stdout.write(f"run directory: {plan.run_dir}\n")

@@ -41,8 +41,23 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.started = time.perf_counter()
         self.first_step = first_step
+        self._drop_steps_after(first_step)
         self._wandb = self._start_wandb(base)
         self._tensorboard = self._start_tensorboard(base)
+
+    def _drop_steps_after(self, step: int) -> None:
+        """A resumed run re-does the steps after its checkpoint: forget what the interrupted
+        attempt logged for them, so that metrics.jsonl holds each step once."""
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+        if len(kept) != len(lines):
+            logger.info("metrics.jsonl: dropping %d record(s) after step %d (the interrupted "
+                        "attempt's)", len(lines) - len(kept), step)
+            temporary = self.path.with_suffix(".jsonl.tmp")
+            temporary.write_text("".join(kept))
+            temporary.replace(self.path)
 
     def _start_wandb(self, base: BaseExperimentConfig):
         mode = _wandb_mode(base.wandb.mode)
@@ -112,6 +127,14 @@ class MetricsLogger:
             plot_metrics(self.path, self.run_dir / "metrics.png")
         except Exception as exc:  # a plot must never fail a finished run
             logger.warning("could not plot metrics: %s", exc)
+
+
+def _step_of(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a line cut short by a killed process."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -1,0 +1,110 @@
+"""Helpers of the end-to-end tests (imported by name: pytest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Keys every e2e run shares: no wandb, no tensorboard files, tiny batches and responses.
+QUIET_RUN = ["wandb.mode=disabled", "tensorboard=false"]
+RUN_TIMEOUT_S = 300
+
+
+def cli_command(experiment: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "realrl.apps.quickstart", experiment, *QUIET_RUN, *overrides]
+
+
+def run_cli(
+    experiment: str, overrides: list[str], env: dict[str, str], timeout_s: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    """Run the CLI to completion; stdout and stderr are captured as text."""
+    return subprocess.run(
+        cli_command(experiment, overrides),
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def start_cli(
+    experiment: str, overrides: list[str], env: dict[str, str], output_dir: Path
+) -> subprocess.Popen:
+    """Start the CLI in its own session (so a test can signal its whole process group);
+    stdout and stderr go to files in `output_dir`, so a full pipe can never block it."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with (
+        open(output_dir / "stdout.txt", "w") as stdout,
+        open(output_dir / "stderr.txt", "w") as stderr,
+    ):
+        return subprocess.Popen(
+            cli_command(experiment, overrides),
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+
+
+def describe(result: subprocess.CompletedProcess) -> str:
+    """The tail of a finished run's output, for assertion messages."""
+    return (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n"
+        f"{result.stderr[-4000:]}"
+    )
+
+
+def wait_until(
+    condition: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    process: subprocess.Popen | None = None,
+) -> None:
+    """Poll `condition` every 0.1 s; fail after `timeout_s` or when `process` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the run exited with {process.returncode} before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def processes_mentioning(text: str) -> dict[int, str]:
+    """pid -> command line of every live process whose command line contains `text`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        command = raw.replace(b"\0", b" ").decode(errors="replace")
+        if text in command and state != "Z":  # a zombie holds nothing; its parent reaps it
+            found[int(entry.name)] = command
+    return found
+
+
+def kill_leftovers(text: str) -> None:
+    """Safety net after a failed test: SIGKILL what this test started (matched by run dir)."""
+    for pid in processes_mentioning(text):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,125 @@
+"""How a run fails, through the real CLI: a worker killed mid-step, and malformed data.
+
+A dead worker must stop the whole run within seconds, name the worker, show the end of its
+log and leave no process behind; a malformed dataset line must be reported (file, line,
+problem) before any process starts, without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from e2e_helpers import (
+    describe,
+    kill_leftovers,
+    processes_mentioning,
+    read_metrics,
+    run_cli,
+    start_cli,
+    wait_until,
+)
+
+STOP_DEADLINE_S = 10.0
+
+
+def worker_pid(run_dir, rank: int) -> int | None:
+    """The pid of model worker `rank` of the run in `run_dir`, read from /proc."""
+    for pid, command in processes_mentioning(str(run_dir)).items():
+        if "realrl.launcher.entry" in command and command.rstrip().endswith(f"--rank {rank}"):
+            return pid
+    return None
+
+
+def test_killing_a_worker_mid_step_stops_the_run_and_names_it(tiny_model, cli_env, tmp_path):
+    run_dir = tmp_path / "runs" / "ppo-math" / "trial0"
+    launcher = start_cli(
+        "ppo-math",
+        [
+            f"actor.path={tiny_model}",
+            f"output_root={tmp_path / 'runs'}",
+            "n_devices_per_node=2",
+            "allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2",
+            "dataset.batch_size=8",
+            "gen.max_new_tokens=16",
+            "total_train_steps=200",
+        ],
+        cli_env,
+        tmp_path / "launcher",
+    )
+    try:
+        wait_until(lambda: (run_dir / "metrics.jsonl").is_file(), 240, "the first step", launcher)
+        pid = worker_pid(run_dir, 1)
+        assert pid is not None, processes_mentioning(str(run_dir))
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        returncode = launcher.wait(timeout=60)
+        stopped_after_s = time.monotonic() - killed_at
+        leftovers = processes_mentioning(str(run_dir))
+    finally:
+        launcher.kill()
+        launcher.wait()
+        kill_leftovers(str(run_dir))
+
+    stderr = (tmp_path / "launcher" / "stderr.txt").read_text()
+    assert returncode != 0
+    assert stopped_after_s < STOP_DEADLINE_S, f"took {stopped_after_s:.1f} s to stop"
+    assert len(read_metrics(run_dir)) < 200
+    assert "'worker1'" in stderr and "SIGKILL" in stderr, stderr
+    last_log_line = (run_dir / "logs" / "worker1.log").read_text().strip().splitlines()[-1]
+    assert last_log_line in stderr
+    assert leftovers == {}, f"processes left behind: {leftovers}"
+
+
+MALFORMED = [
+    pytest.param(
+        '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n',
+        2,
+        "bad JSON",
+        id="bad_json",
+    ),
+    pytest.param(
+        '{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "3+3="}\n',
+        3,
+        "missing required key 'answer'",
+        id="missing_key",
+    ),
+]
+
+
+@pytest.mark.parametrize(("content", "line", "problem"), MALFORMED)
+def test_malformed_dataset_line_fails_before_training_with_file_and_line(
+    content, line, problem, tiny_model, cli_env, tmp_path
+):
+    data = tmp_path / "user_sft.jsonl"
+    data.write_text(content)
+    result = run_cli(
+        "sft",
+        [f"model.path={tiny_model}", f"dataset.path={data}", f"output_root={tmp_path / 'runs'}"],
+        cli_env,
+    )
+    assert result.returncode in (1, 2), describe(result)
+    assert f"{data}:{line}: {problem}" in result.stderr, describe(result)
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "runs").exists(), "nothing may start before the data is valid"
+
+
+def test_prompt_dataset_without_an_answer_fails_before_training(tiny_model, cli_env, tmp_path):
+    data = tmp_path / "user_math.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "1+1=", "solutions": ["2"]})
+        + "\n"
+        + json.dumps({"prompt": "2+2="})
+        + "\n"
+    )
+    result = run_cli(
+        "ppo-math",
+        [f"actor.path={tiny_model}", f"dataset.path={data}", f"output_root={tmp_path / 'runs'}"],
+        cli_env,
+    )
+    assert result.returncode in (1, 2), describe(result)
+    assert f"{data}:2:" in result.stderr, describe(result)
+    assert "Traceback" not in result.stderr + result.stdout
