@@ -133,6 +133,20 @@ class ModelSpec:
     trainable: bool = False
 
 
+@dataclass(frozen=True)
+class RolloutFilter:
+    """Applied to the step's batch right after `after_mfc` (and the MFCs it depends on): keep the
+    `group_size` best responses per prompt by `reward_key` (best-of-n), and with
+    `drop_equal_reward_groups` drop prompts whose rewards all agree and generate for more
+    prompts, at most `max_rounds` times, until the batch is full again (DAPO)."""
+
+    after_mfc: str
+    reward_key: str = "rewards"
+    group_size: int = 1
+    drop_equal_reward_groups: bool = False
+    max_rounds: int = 1
+
+
 @dataclass
 class ExperimentSpec:
     models: dict[str, ModelSpec]
@@ -140,6 +154,7 @@ class ExperimentSpec:
     dataset_kind: DatasetKind
     dataset_keys: tuple[str, ...]
     notes: list[str] = field(default_factory=list)  # printed by --dry-run (e.g. dropped MFCs)
+    rollout_filter: RolloutFilter | None = None
 
     def graph(self) -> DataflowGraph:
         return DataflowGraph(self.mfcs, self.dataset_keys, self.models)

@@ -13,6 +13,7 @@ Six MFCs, edges from their keys:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from realrl.api.config import BaseExperimentConfig, help_field
@@ -26,6 +27,7 @@ from realrl.api.experiment import (
     ModelRoleConfig,
     ModelSpec,
     OptimizerConfig,
+    RolloutFilter,
 )
 from realrl.api.registry import register_experiment
 from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
@@ -137,8 +139,18 @@ class PPOMathConfig(BaseExperimentConfig):
         actor_train_hooks = []
         if use_ref and self.ref_ema_eta is not None:
             actor_train_hooks.append(ParamReallocHook("actor", "ref", eta=self.ref_ema_eta))
+        generation_size = self.generation_size or self.group_size
+        rollout_filter = None
+        if generation_size > self.group_size or self.ppo.dynamic_sampling:
+            rollout_filter = RolloutFilter(
+                after_mfc="rew_inf", group_size=self.group_size,
+                drop_equal_reward_groups=self.ppo.dynamic_sampling,
+                max_rounds=self.ppo.max_generation_rounds if self.ppo.dynamic_sampling else 1,
+            )
+        # actor_gen returns every generated response; the rollout filter keeps group_size.
+        gen_config = dataclasses.replace(actor_config, group_size=generation_size)
         mfcs = [
-            mfc("actor_gen", "actor", MFCKind.generate, "ppo_actor", actor_config, PROMPT_KEYS,
+            mfc("actor_gen", "actor", MFCKind.generate, "ppo_actor", gen_config, PROMPT_KEYS,
                 ROLLOUT_KEYS),
             mfc("rew_inf", "reward", MFCKind.inference, "rule_reward",
                 RuleRewardConfig(**vars(self.reward)), ("packed_input_ids", "prompt_mask"),
@@ -168,4 +180,12 @@ class PPOMathConfig(BaseExperimentConfig):
             notes.append("ppo.disable_value=true: critic_inf and critic_train are not in the graph.")
         if not use_ref:
             notes.append("ppo.kl_ctl=0: ref_inf is not in the graph.")
-        return ExperimentSpec(models, mfcs, DatasetKind.prompt, PROMPT_KEYS, notes)
+        if rollout_filter is not None:
+            notes.append(
+                f"rollout filter after rew_inf: keep the best {self.group_size} of "
+                f"{generation_size} responses per prompt"
+                + (", drop prompts whose rewards all agree and refill (dynamic sampling)"
+                   if self.ppo.dynamic_sampling else "")
+            )
+        return ExperimentSpec(models, mfcs, DatasetKind.prompt, PROMPT_KEYS, notes,
+                              rollout_filter)

@@ -83,7 +83,7 @@ def write_run_files(config: BaseExperimentConfig, plan: LaunchPlan) -> RunPlan:
     run_plan = RunPlan(
         base=base_settings(config), dataset=config.dataset, dataset_kind=plan.spec.dataset_kind,
         models=plan.spec.models, mfcs=[plan.graph.mfcs[name] for name in plan.graph.order],
-        allocations=plan.allocations,
+        allocations=plan.allocations, rollout_filter=plan.spec.rollout_filter,
     )
     (run_dir / "plan.json").write_text(run_plan.to_json())
     if not (run_dir / ".secret").exists():

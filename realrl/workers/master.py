@@ -15,18 +15,24 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, ParamReallocHook
 from realrl.api.experiment import ModelKind
 from realrl.workers.realloc import transfer_ranks
+from realrl.workers.rollout_filter import apply_rollout_filter
 from realrl.workers.run_plan import LayoutKey, RunPlan
 from realrl.workers.transport import AsyncClient, Message
 
 logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 24 * 3600.0
+
+
+class RolloutError(RuntimeError):
+    """Dynamic sampling could not fill the batch with useful prompts."""
 
 
 @dataclass
@@ -47,25 +53,81 @@ class Master:
 
     # ------------------------------------------------------------------ one step
 
-    async def run_step(self, batch: SequenceSample) -> StepResult:
-        result = StepResult(data=batch)
-        finished = {mfc.name: asyncio.Event() for mfc in self.plan.mfcs}
+    async def run_step(self, batch: SequenceSample,
+                       more_prompts: Callable[[], SequenceSample] | None = None) -> StepResult:
+        """Run the graph on `batch`. With a rollout filter, the rollout MFCs run first (again on
+        `more_prompts()` when dynamic sampling dropped too many prompts), then the rest."""
+        rollout_filter = self.plan.rollout_filter
+        if rollout_filter is None:
+            result = StepResult(data=batch)
+            await self._run_mfcs([mfc.name for mfc in self.plan.mfcs], result)
+            return result
+        rollout = self._ancestors_and_self(rollout_filter.after_mfc)
+        result = await self._rollout(batch, rollout, rollout_filter, more_prompts)
+        rest = [mfc.name for mfc in self.plan.mfcs if mfc.name not in rollout]
+        await self._run_mfcs(rest, result)
+        return result
+
+    async def _rollout(self, batch, names, rollout_filter, more_prompts) -> StepResult:
+        target, kept, rounds = batch.bs, None, 0
+        while True:
+            rounds += 1
+            result = StepResult(data=batch)
+            await self._run_mfcs(names, result)
+            filtered, stats = apply_rollout_filter(result.data, rollout_filter)
+            if filtered is not None and kept is not None:
+                fresh = [i for i, id_ in enumerate(filtered.ids) if id_ not in set(kept.ids)]
+                filtered = filtered.reorder(fresh) if fresh else None
+            if filtered is not None:
+                kept = filtered if kept is None else SequenceSample.gather([kept, filtered])
+            enough = kept is not None and kept.bs >= target
+            if enough or not rollout_filter.drop_equal_reward_groups:
+                break
+            if rounds >= rollout_filter.max_rounds or more_prompts is None:
+                have = 0 if kept is None else kept.bs
+                raise RolloutError(
+                    f"dynamic sampling found {have} of {target} prompts whose responses got "
+                    f"different rewards after {rounds} generation round(s) (last round: "
+                    f"{stats.get('rollout/all_correct_fraction', 0):.0%} all correct, "
+                    f"{stats.get('rollout/all_equal_fraction', 0):.0%} all equal): the data is too "
+                    f"easy or too hard for this model. Raise ppo.max_generation_rounds or "
+                    f"group_size, or change the data."
+                )
+            batch = more_prompts()
+        result.data = kept.reorder(list(range(target))) if kept.bs > target else kept
+        result.stats.update(stats)
+        result.stats["rollout/rounds"] = float(rounds)
+        return result
+
+    def _ancestors_and_self(self, name: str) -> set[str]:
+        parents, found, frontier = self._parents(), {name}, [name]
+        while frontier:
+            for parent in parents[frontier.pop()]:
+                if parent not in found:
+                    found.add(parent)
+                    frontier.append(parent)
+        return found
+
+    async def _run_mfcs(self, names: list[str] | set[str], result: StepResult) -> None:
+        """Run `names` (MFCs outside it count as finished), each once its inputs exist."""
+        finished = {name: asyncio.Event() for name in names}
         graph_parents = self._parents()
 
         async def run_when_ready(mfc: MFCDef) -> None:
             for parent in graph_parents[mfc.name]:
-                await finished[parent].wait()
+                if parent in finished:
+                    await finished[parent].wait()
             await self._run_mfc(mfc, result)
             finished[mfc.name].set()
 
-        tasks = [asyncio.create_task(run_when_ready(mfc)) for mfc in self.plan.mfcs]
+        tasks = [asyncio.create_task(run_when_ready(mfc)) for mfc in self.plan.mfcs
+                 if mfc.name in finished]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:
                 task.cancel()
             raise
-        return result
 
     def _parents(self) -> dict[str, list[str]]:
         producers = {key: mfc.name for mfc in self.plan.mfcs for key in mfc.output_keys}

@@ -64,7 +64,7 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) ->
     try:
         for step in range(first_step, plan.base.total_train_steps):
             started = time.perf_counter()
-            result = await master.run_step(data.next_batch())
+            result = await master.run_step(data.next_batch(), more_prompts=data.next_batch)
             metrics_logger.log(step + 1, step_metrics(result, time.perf_counter() - started))
             last = step + 1 == plan.base.total_train_steps
             if last or (save_every and (step + 1) % save_every == 0):

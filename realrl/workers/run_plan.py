@@ -19,7 +19,14 @@ from typing import Any
 from realrl.api.allocation import MFCAllocation
 from realrl.api.config import BaseExperimentConfig
 from realrl.api.dfg import MFCDef, ParamReallocHook
-from realrl.api.experiment import DatasetConfig, DatasetKind, ModelKind, ModelRoleConfig, ModelSpec
+from realrl.api.experiment import (
+    DatasetConfig,
+    DatasetKind,
+    ModelKind,
+    ModelRoleConfig,
+    ModelSpec,
+    RolloutFilter,
+)
 from realrl.api.serialization import (
     allocation_from_data,
     allocation_to_data,
@@ -48,6 +55,7 @@ class RunPlan:
     models: dict[str, ModelSpec]
     mfcs: list[MFCDef]  # in topological order
     allocations: dict[str, MFCAllocation]
+    rollout_filter: RolloutFilter | None = None
 
     # ------------------------------------------------------------------ layouts
 
@@ -97,6 +105,7 @@ class RunPlan:
             "models": {role: to_data(spec) for role, spec in self.models.items()},
             "mfcs": [mfc_to_data(m) for m in self.mfcs],
             "allocations": {name: allocation_to_data(a) for name, a in self.allocations.items()},
+            "rollout_filter": to_data(self.rollout_filter),
         }
         return json.dumps(data, indent=1)
 
@@ -114,6 +123,8 @@ class RunPlan:
             models=models,
             mfcs=[mfc_from_data(m) for m in data["mfcs"]],
             allocations={n: allocation_from_data(a) for n, a in data["allocations"].items()},
+            rollout_filter=(RolloutFilter(**data["rollout_filter"])
+                            if data.get("rollout_filter") else None),
         )
 
 
