@@ -115,7 +115,10 @@ class BaseExperimentConfig:
     mode: LaunchMode = help_field(LaunchMode.local, "Where to launch: local | slurm.")
     n_nodes: int = help_field(1, "Number of nodes.")
     n_devices_per_node: int = help_field(
-        1, "GPUs per node, or model-worker processes per node on a CPU-only machine."
+        0,
+        "GPUs per node, or model-worker processes per node on a CPU-only machine; 0: detect "
+        "(this machine's GPUs; without GPUs one worker per core up to 2 cores, then one per 2 "
+        "cores, at most 4).",
     )
     allocation_mode: str = help_field(
         "auto",
@@ -139,8 +142,14 @@ class BaseExperimentConfig:
         problems = []
         if self.n_nodes < 1:
             problems.append(f"`n_nodes={self.n_nodes}` must be at least 1.")
-        if self.n_devices_per_node < 1:
-            problems.append(f"`n_devices_per_node={self.n_devices_per_node}` must be at least 1.")
+        if self.n_devices_per_node < 0:
+            problems.append(
+                f"`n_devices_per_node={self.n_devices_per_node}` must be >= 0 (0: detect).")
+        if self.n_devices_per_node == 0 and self.mode == LaunchMode.slurm:
+            problems.append(
+                "`n_devices_per_node=0` (detect) only works with mode=local: with mode=slurm set "
+                "the GPUs (or worker processes) per node, e.g. `n_devices_per_node=8`."
+            )
         if self.total_train_steps < 1:
             problems.append(f"`total_train_steps={self.total_train_steps}` must be at least 1.")
         if self.save_freq_steps < 0:
@@ -318,10 +327,27 @@ def resolve_config(
         instance = OmegaConf.to_object(config)
     except OmegaConfBaseException as exc:
         raise ConfigError([str(exc).splitlines()[0]]) from None
+    if instance.n_devices_per_node == 0 and instance.mode == LaunchMode.local:
+        instance.n_devices_per_node = detect_devices_per_node()
     problems = instance.validate()
     if problems:
         raise ConfigError(problems)
     return instance
+
+
+def detect_devices_per_node() -> int:
+    """`n_devices_per_node=0`: the GPUs of this machine; without GPUs, one single-threaded
+    worker per core for up to 2 cores (tiny models gain more from data parallelism across
+    processes than from threads), then one worker per 2 cores, at most 4."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    return cores if cores <= 2 else min(4, cores // 2)
 
 
 def _flatten(mapping: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:

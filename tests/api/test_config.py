@@ -26,7 +26,8 @@ class ToyConfig(BaseExperimentConfig):
 
 def test_overrides_set_nested_keys_lists_and_enums():
     config = resolve_config(
-        ToyConfig, ["optimizer.lr=3e-4", "layers=[4,5,6]", "mode=slurm", "wandb.mode=disabled"]
+        ToyConfig, ["optimizer.lr=3e-4", "layers=[4,5,6]", "mode=slurm", "wandb.mode=disabled",
+                    "n_devices_per_node=8"]
     )
     assert config.optimizer.lr == pytest.approx(3e-4)
     assert config.layers == [4, 5, 6]
@@ -109,3 +110,10 @@ def test_all_keys_include_sections_and_leaves():
 def test_run_dir_is_output_root_experiment_trial():
     config = resolve_config(ToyConfig, ["output_root=/x", "experiment_name=e", "trial_name=t"])
     assert str(config.run_dir) == "/x/e/t"
+
+
+def test_zero_devices_per_node_is_detected_locally_and_rejected_on_slurm():
+    config = resolve_config(ToyConfig, ["n_devices_per_node=0"])
+    assert config.n_devices_per_node >= 1
+    with pytest.raises(ConfigError, match="only works with mode=local"):
+        resolve_config(ToyConfig, ["mode=slurm"])

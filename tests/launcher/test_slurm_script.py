@@ -32,7 +32,9 @@ FOUR_BY_EIGHT = [
 
 
 def _config(tmp_path, *overrides):
-    return resolve_config(SFTExperimentConfig, [f"output_root={tmp_path}", *overrides],
+    # A cluster job states its devices per node (detection only works locally); overrides win.
+    return resolve_config(SFTExperimentConfig,
+                          [f"output_root={tmp_path}", "n_devices_per_node=1", *overrides],
                           defaults={"experiment_name": "sft"})
 
 
