@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m realrl.apps.quickstart ppo-math --dry-run $(ARGS)
+	$(PY) -m realrl.apps.quickstart ppo-math $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)

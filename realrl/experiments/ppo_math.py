@@ -71,7 +71,7 @@ class PPOMathConfig(BaseExperimentConfig):
     generation_size: int | None = help_field(
         None, "Responses generated per prompt; > group_size keeps the best (best-of-n)."
     )
-    total_train_steps: int = help_field(300, "Number of training steps (graph executions).")
+    total_train_steps: int = help_field(400, "Number of training steps (graph executions).")
     ref_ema_eta: float | None = help_field(
         None, "After each actor_train: ref = eta * actor + (1 - eta) * ref; null: frozen ref."
     )
