@@ -23,7 +23,7 @@ from realrl.interfaces.configs import GenerationConfig
 @register_experiment("gen")
 @dataclass
 class GenerationExperimentConfig(BaseExperimentConfig):
-    """Generate completions for {"prompt", ...} records into <run_dir>/generated.jsonl."""
+    """Generate completions for {"prompt", ...} records into <run_dir>/generated.rank<N>.jsonl."""
 
     model: ModelRoleConfig = help_field(ModelRoleConfig(), "The model to sample from.")
     dataset: DatasetConfig = help_field(DatasetConfig(batch_size=16), "Prompts.")
