@@ -26,6 +26,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check realrl tests benchmarks examples
+	$(PY) -m mypy
 
 format: $(STAMP)
 	$(PY) -m ruff format realrl tests benchmarks examples

@@ -344,10 +344,13 @@ def parse_allocation_mode(
             f"({n_nodes} node(s) x {n_devices_per_node}):\n  - " + "\n  - ".join(problems)
         )
     default = specs.get("*")
-    return {
-        name: MFCAllocation(name, specs.get(name, default)[1], specs.get(name, default)[0])
-        for name in mfc_names
-    }
+    allocations = {}
+    for name in mfc_names:
+        strategy_and_mesh = specs.get(name, default)
+        assert strategy_and_mesh is not None  # a missing allocation was reported above
+        strategy, mesh = strategy_and_mesh
+        allocations[name] = MFCAllocation(name, mesh, strategy)
+    return allocations
 
 
 def default_allocation(

@@ -37,11 +37,13 @@ def help_field(default: Any = dataclasses.MISSING, help: str = "", **kwargs: Any
     """A dataclass field with a help text; mutable defaults go through `default_factory`."""
     metadata = {"help": help}
     if default is not dataclasses.MISSING and isinstance(default, (list, dict, set)):
-        value = default
-        return field(default_factory=lambda: type(value)(value), metadata=metadata, **kwargs)
+        container: Any = default
+        return field(default_factory=lambda: type(container)(container), metadata=metadata,
+                     **kwargs)
     if default is not dataclasses.MISSING and dataclasses.is_dataclass(default):
-        value = default
-        return field(default_factory=lambda: dataclasses.replace(value), metadata=metadata, **kwargs)
+        section: Any = default
+        return field(default_factory=lambda: dataclasses.replace(section), metadata=metadata,
+                     **kwargs)
     return field(default=default, metadata=metadata, **kwargs)
 
 
@@ -210,7 +212,7 @@ def iter_fields(config_class: type, prefix: str = "") -> Iterator[FieldInfo]:
 
 def all_keys(config_class: type) -> list[str]:
     """Every dotted key a user may set, including the section names."""
-    keys = []
+    keys: list[str] = []
     for info in iter_fields(config_class):
         parts = info.key.split(".")
         keys.extend(".".join(parts[: i + 1]) for i in range(len(parts)))
@@ -324,7 +326,7 @@ def resolve_config(
     if problems:
         raise ConfigError(problems)
     try:
-        instance = OmegaConf.to_object(config)
+        instance: Any = OmegaConf.to_object(config)
     except OmegaConfBaseException as exc:
         raise ConfigError([str(exc).splitlines()[0]]) from None
     if instance.n_devices_per_node == 0 and instance.mode == LaunchMode.local:

@@ -228,7 +228,7 @@ class SequenceSample:
                 per_key[key] = [[1] for _ in ids]
             else:
                 per_key[key] = [[int(n)] for n in seqlens]
-        return cls.from_tensors(ids, per_key, data, metadata)
+        return cls.from_tensors(ids, per_key, dict(data), metadata)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -499,7 +499,7 @@ class SequenceSample:
             mine, theirs = self.data[key], other.data[key]
             if (mine is None) != (theirs is None):
                 return False
-            if mine is not None and not torch.allclose(
+            if mine is not None and theirs is not None and not torch.allclose(
                 mine.cpu(), theirs.cpu(), rtol=rtol, atol=atol, equal_nan=True
             ):
                 return False

@@ -104,7 +104,7 @@ class DataflowGraph:
             name: sorted({self.producers[k] for k in mfc.input_keys} - {DATASET})
             for name, mfc in self.mfcs.items()
         }
-        self.children = {name: [] for name in self.mfcs}
+        self.children: dict[str, list[str]] = {name: [] for name in self.mfcs}
         for name, parents in self.parents.items():
             for parent in parents:
                 self.children[parent].append(name)

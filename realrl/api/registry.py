@@ -93,6 +93,8 @@ def import_user_module(spec: str) -> None:
                 raise RegistryError(f"--import {spec}: no such file")
             module_name = f"realrl_user_{path.stem}"
             module_spec = importlib.util.spec_from_file_location(module_name, path)
+            if module_spec is None or module_spec.loader is None:
+                raise RegistryError(f"--import {spec}: not an importable Python file")
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[module_name] = module
             module_spec.loader.exec_module(module)
