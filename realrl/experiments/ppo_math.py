@@ -87,6 +87,31 @@ class PPOMathConfig(BaseExperimentConfig):
     actor_train: MFCConfig = help_field(MFCConfig(), "MFC actor_train.")
     critic_train: MFCConfig = help_field(MFCConfig(), "MFC critic_train.")
 
+    def _remax_baseline_mfcs(self, actor_config: PPOActorConfig) -> list[MFCDef]:
+        """ReMax (Li et al. 2023): one greedy response per prompt, scored by the same reward,
+        is the baseline. Two more MFCs on the same roles, wired by key remaps."""
+        greedy_config = dataclasses.replace(
+            actor_config, group_size=1, generation_size=1,
+            generation=dataclasses.replace(self.gen, greedy=True),
+        )
+        greedy_keys = {"packed_input_ids": "greedy_input_ids", "prompt_mask": "greedy_prompt_mask",
+                       "packed_logprobs": "greedy_logprobs", "seq_no_eos_mask": "greedy_no_eos"}
+        return [
+            MFCDef(name="actor_gen_greedy", model_role="actor", kind=MFCKind.generate,
+                   interface="ppo_actor", interface_config=greedy_config,
+                   input_keys=PROMPT_KEYS, output_keys=tuple(greedy_keys.values()),
+                   output_key_remap=greedy_keys, batch_size=self.dataset.batch_size,
+                   microbatch=self.actor_gen.microbatch_spec()),
+            MFCDef(name="rew_inf_greedy", model_role="reward", kind=MFCKind.inference,
+                   interface="rule_reward", interface_config=RuleRewardConfig(**vars(self.reward)),
+                   input_keys=("greedy_input_ids", "greedy_prompt_mask"),
+                   output_keys=("baseline_rewards",),
+                   input_key_remap={"greedy_input_ids": "packed_input_ids",
+                                    "greedy_prompt_mask": "prompt_mask"},
+                   output_key_remap={"rewards": "baseline_rewards"},
+                   batch_size=self.dataset.batch_size, microbatch=self.rew_inf.microbatch_spec()),
+        ]
+
     def model_path_links(self) -> dict[str, str]:
         """Empty paths of these roles take the path of another role."""
         return {"critic": "actor", "ref": "actor"}
@@ -123,6 +148,7 @@ class PPOMathConfig(BaseExperimentConfig):
         train_inputs = ROLLOUT_KEYS + ("rewards",)
         train_inputs += ("packed_ref_logprobs",) if use_ref else ()
         train_inputs += ("values",) if use_critic else ()
+        train_inputs += ("baseline_rewards",) if self.ppo.adv_estimator == "remax" else ()
         actor_config = PPOActorConfig(
             ppo=self.ppo,
             generation=self.gen,
@@ -158,6 +184,8 @@ class PPOMathConfig(BaseExperimentConfig):
             mfc("actor_train", "actor", MFCKind.train_step, "ppo_actor", actor_config,
                 train_inputs, (), post_hooks=actor_train_hooks),
         ]
+        if self.ppo.adv_estimator == "remax":
+            mfcs += self._remax_baseline_mfcs(actor_config)
         if use_ref:
             mfcs.append(mfc("ref_inf", "ref", MFCKind.inference, "reference", ReferenceConfig(),
                             ("packed_input_ids",), ("packed_ref_logprobs",)))

@@ -307,6 +307,17 @@ def shaped_rewards(
     return scale_rewards(rewards, ppo.reward_scaling, ppo.reward_bias, ppo.reward_clip)
 
 
+def _baseline_rewards(ppo: PPOHyperparameters, data: SequenceSample,
+                      group_sizes: torch.Tensor) -> torch.Tensor | None:
+    """ReMax's greedy-rollout rewards (`baseline_rewards`, one per prompt) for every sequence
+    of the prompt, scaled like the task rewards; None when the batch carries none."""
+    if "baseline_rewards" not in data.keys:
+        return None
+    baseline = data.data["baseline_rewards"].float().cpu().reshape(-1)  # [num_prompts]
+    baseline = scale_rewards(baseline, ppo.reward_scaling, ppo.reward_bias, ppo.reward_clip)
+    return torch.repeat_interleave(baseline, group_sizes)  # [num_seqs]
+
+
 def prepare_ppo_batch(
     state: PPOTrainingState,
     data: SequenceSample,
@@ -360,6 +371,7 @@ def prepare_ppo_batch(
             values=values,
             seq_no_eos=seq_no_eos,
             group_ids=torch.repeat_interleave(torch.arange(data.bs), group_sizes),
+            baseline_rewards=_baseline_rewards(ppo, data, group_sizes),
         ),
         process_group,
     )

@@ -45,3 +45,12 @@ def test_other_experiments_build_valid_graphs(name, mfcs):
     entry = get_experiment(name)
     config = resolve_config(entry.config_class, [], defaults={"experiment_name": name})
     assert set(config.build().graph().mfcs) == mfcs
+
+
+def test_remax_adds_a_greedy_rollout_and_its_reward_as_the_baseline():
+    graph = ppo_graph("ppo.adv_estimator=remax", "ppo.disable_value=true")
+    assert {"actor_gen_greedy", "rew_inf_greedy"} <= set(graph.mfcs)
+    assert graph.producers["baseline_rewards"] == "rew_inf_greedy"
+    assert graph.parents["rew_inf_greedy"] == ["actor_gen_greedy"]
+    assert "baseline_rewards" in graph.mfcs["actor_train"].input_keys
+    assert graph.mfcs["actor_gen_greedy"].interface_config.generation.greedy
