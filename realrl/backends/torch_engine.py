@@ -6,6 +6,13 @@ explicitly (no ambient "current model"). Training follows one rule everywhere: l
 normalised by whole-batch denominators (see `realrl.algo.aggregation`), so gradients are
 **summed** over micro-batches and over data-parallel ranks, and the result equals a single
 process on the same data.
+
+With tensor parallelism (Shoeybi et al. 2019) every tp rank of a replica sees the same data;
+sharded parameters' gradients are summed over data-parallel peers with the same tp rank, and
+replicated parameters (norms, a critic's value head) get identical gradients on every tp rank
+because the column-parallel layers all-reduce their input gradients. The global gradient norm
+counts each sharded slice once (its squared norm is summed over the tp group) and each
+replicated parameter once.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ import torch.distributed as dist
 
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import LRScheduler, OptimizerConfig
+from realrl.models.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from realrl.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
@@ -72,7 +84,9 @@ class TorchEngine:
         self.optimizer_config = optimizer_config
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        self.generator = torch.Generator(device=module.device).manual_seed(seed)  # sampling
+        # Sampling; tp ranks of a replica must share the seed so that they sample alike.
+        self.generator = torch.Generator(device=module.device).manual_seed(seed)
+        self.sharded_parameter_ids = sharded_parameter_ids(module)
         if optimizer_config is not None:
             self.optimizer = torch.optim.AdamW(
                 [p for p in module.parameters() if p.requires_grad],
@@ -80,6 +94,9 @@ class TorchEngine:
                 betas=(optimizer_config.beta1, optimizer_config.beta2),
                 eps=optimizer_config.eps,
                 weight_decay=optimizer_config.weight_decay,
+                # One fused kernel instead of ~10 ops per tensor: 31 -> 6 ms per step for the
+                # 4M-parameter benchmark model on one CPU thread; same update up to fp32 rounding.
+                fused=module.device.type in ("cpu", "cuda"),
             )
             self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer,
@@ -110,10 +127,7 @@ class TorchEngine:
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
         self._all_reduce_gradients()
-        parameters = [p for p in self.module.parameters() if p.grad is not None]
-        clip = self.optimizer_config.gradient_clipping
-        max_norm = clip if clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else 0.0
+        grad_norm = self._clip_gradients(self.optimizer_config.gradient_clipping)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -140,6 +154,28 @@ class TorchEngine:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
+    def _clip_gradients(self, max_norm: float) -> float:
+        """Scale gradients to a global L2 norm of at most `max_norm` (no clipping when <= 0), as
+        `torch.nn.utils.clip_grad_norm_` does, over the full (unsharded) model; returns the norm
+        before clipping. Costs one host sync, once per optimizer step."""
+        with_grads = [p for p in self.module.parameters() if p.grad is not None]
+        if not with_grads:
+            return 0.0
+        squared = torch.stack(
+            [torch.linalg.vector_norm(p.grad, dtype=torch.float32).square() for p in with_grads]
+        )  # [num_parameters]
+        is_sharded = torch.tensor(
+            [id(p) in self.sharded_parameter_ids for p in with_grads], device=squared.device
+        )
+        sharded_squared = squared[is_sharded].sum()
+        if self.parallel.tp_group is not None and self.parallel.tp_size > 1:
+            dist.all_reduce(sharded_squared, group=self.parallel.tp_group)
+        total_norm = (sharded_squared + squared[~is_sharded].sum()).sqrt()
+        if max_norm > 0:
+            coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+            torch._foreach_mul_([p.grad for p in with_grads], coefficient)
+        return float(total_norm)
+
     def state_for_checkpoint(self) -> dict:
         state = {}
         if self.optimizer is not None:
@@ -151,3 +187,15 @@ class TorchEngine:
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def sharded_parameter_ids(module: torch.nn.Module) -> set[int]:
+    """ids of the parameters that tensor-parallel layers split across ranks (the rest, norms
+    and a row-parallel layer's bias included, are replicated)."""
+    ids: set[int] = set()
+    for submodule in module.modules():
+        if isinstance(submodule, (ColumnParallelLinear, VocabParallelEmbedding)):
+            ids.update(id(parameter) for parameter in submodule.parameters(recurse=False))
+        elif isinstance(submodule, RowParallelLinear):
+            ids.add(id(submodule.weight))
+    return ids

@@ -85,13 +85,19 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     except AllocationError as exc:
         raise ConfigError([f"`allocation_mode={config.allocation_mode}`: {exc}"]) from None
     for name, allocation in allocations.items():
+        if allocation.strategy.pipeline > 1:
+            problems.append(
+                f"MFC `{name}`: layout {allocation.strategy} uses pipeline parallelism, which the "
+                f"torch backend does not run; use data and tensor parallelism (e.g. "
+                f"'d{allocation.strategy.data * allocation.strategy.pipeline}"
+                f"t{allocation.strategy.tensor}')."
+            )
         model = spec.models[graph.mfcs[name].model_role]
         if model.kind == ModelKind.rule or model.config is None:
             continue
         shape = _model_shape(model.config.path)
         if shape is not None:
-            problems += [f"MFC `{name}`: {problem}"
-                         for problem in validate_model_divisibility(allocation, **shape)]
+            problems += validate_model_divisibility(allocation, **shape)
     if problems:
         raise ConfigError(problems)
     workers = []

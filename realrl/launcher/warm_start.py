@@ -69,7 +69,7 @@ def ensure_warm_start(use_packaged: bool = True) -> Path:
     staging = target.with_name(target.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(checkpoint / "default", staging,
-                    ignore=shutil.ignore_patterns("optimizer.pt"))
+                    ignore=shutil.ignore_patterns("optimizer*.pt"))
     staging.rename(target)
     return target
 

@@ -2,8 +2,11 @@
 
 A checkpoint directory holds:
 - one HF directory per role whose weights change during a run (trained roles and EMA targets),
-  written by the first rank of the role's owner layout, with `optimizer.pt` (optimizer and LR
-  schedule) beside the weights;
+  with full weights even when the owner layout is tensor parallel (gathered over the tp group
+  of the owner's data-parallel replica 0 and written by its first rank), and the optimizer and
+  LR schedule beside them: `optimizer.pt`, or with tp size T one `optimizer.tp<r>of<T>.pt` per
+  tp rank r (optimizer state is sharded like the parameters; data-parallel replicas are equal,
+  so replica 0 writes). Loading shards the full weights again for every hosted layout;
 - `interfaces/<mfc>.pt`: the state an interface keeps between steps (`interface.state`: the PPO
   interfaces' KL controller and value normaliser), written by the first rank of the MFC's
   layout; it is the same on every data-parallel rank (its statistics are all-reduced), so every
@@ -23,6 +26,9 @@ from pathlib import Path
 import torch
 
 from realrl.models.checkpoint import load_pretrained, save_pretrained
+from realrl.models.tensor_parallel import shard_state_dict
+from realrl.models.transformer import Transformer
+from realrl.workers.realloc import gather_full_parameters, gather_group_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -37,21 +43,41 @@ def save_worker_state(worker, directory: str) -> None:
     root = Path(directory)
     for role in changing_roles(worker.plan):
         owner = worker.plan.owner_layout(role)
-        if owner in worker.models and worker.rank == owner.ranks[0]:
-            engine = worker.models[owner].engine
-            save_pretrained(engine.module, root / role, tokenizer=engine.tokenizer)
-            if engine.optimizer is not None:
-                torch.save(engine.state_for_checkpoint(), root / role / "optimizer.pt")
+        if owner in worker.models and worker.rank in gather_group_ranks(owner):
+            _save_role(worker, owner, root / role)
     for mfc in worker.plan.mfcs:
         interface = worker.interfaces.get(mfc.name)
         if _has_state(interface) and worker.rank == worker.plan.layout_of(mfc.name).ranks[0]:
             (root / "interfaces").mkdir(parents=True, exist_ok=True)
             torch.save(interface.state.state_dict(), root / "interfaces" / f"{mfc.name}.pt")
     (root / "rng").mkdir(parents=True, exist_ok=True)
-    generators = {str(layout): hosted.engine.generator.get_state()
-                  for layout, hosted in worker.models.items()}
-    torch.save({"torch": torch.get_rng_state(), "generators": generators},
-               root / "rng" / f"rank{worker.rank}.pt")
+    generators = {
+        str(layout): hosted.engine.generator.get_state() for layout, hosted in worker.models.items()
+    }
+    torch.save(
+        {"torch": torch.get_rng_state(), "generators": generators},
+        root / "rng" / f"rank{worker.rank}.pt",
+    )
+
+
+def _save_role(worker, owner, role_dir: Path) -> None:
+    """Full HF weights (first rank) and this tp rank's optimizer state, from replica 0."""
+    engine = worker.models[owner].engine
+    full = gather_full_parameters(engine, owner, worker.rank, worker.groups)
+    role_dir.mkdir(parents=True, exist_ok=True)
+    if full is not None:
+        with torch.device("meta"):
+            model = Transformer(engine.module.config)
+        model.load_state_dict(full, strict=True, assign=True)
+        save_pretrained(model, role_dir, tokenizer=engine.tokenizer)
+    if engine.optimizer is not None:
+        torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine.parallel))
+
+
+def optimizer_file_name(parallel) -> str:
+    if parallel.tp_size == 1:
+        return "optimizer.pt"
+    return f"optimizer.tp{parallel.tp_rank}of{parallel.tp_size}.pt"
 
 
 def _has_state(interface) -> bool:
@@ -66,12 +92,23 @@ def load_worker_state(worker, directory: str) -> None:
         if layout.role not in changing_roles(worker.plan):
             continue
         engine = hosted.engine
-        loaded = load_pretrained(role_dir, critic=engine.module.config.is_critic,
-                                 dtype=engine.module.dtype, device=engine.device)
-        for target, source in zip(engine.module.parameters(), loaded.parameters(), strict=True):
-            target.copy_(source)
+        loaded = load_pretrained(
+            role_dir,
+            critic=engine.module.config.is_critic,
+            dtype=engine.module.dtype,
+            device=engine.device,
+        ).state_dict()
+        parallel = engine.parallel
+        if parallel.tp_size > 1:
+            loaded = shard_state_dict(
+                loaded, parallel.tp_rank, parallel.tp_size, engine.module.config
+            )
+        for name, target in engine.module.named_parameters():
+            target.copy_(loaded[name])
         if engine.optimizer is not None:
-            engine.load_checkpoint_state(torch.load(role_dir / "optimizer.pt", weights_only=False))
+            engine.load_checkpoint_state(
+                torch.load(_optimizer_path(role_dir, parallel), weights_only=False)
+            )
     for mfc in worker.plan.mfcs:
         path = root / "interfaces" / f"{mfc.name}.pt"
         if path.is_file() and worker.rank in worker.plan.layout_of(mfc.name).ranks:
@@ -79,10 +116,26 @@ def load_worker_state(worker, directory: str) -> None:
     _load_rng_state(worker, root / "rng" / f"rank{worker.rank}.pt")
 
 
+def _optimizer_path(role_dir: Path, parallel) -> Path:
+    path = role_dir / optimizer_file_name(parallel)
+    if not path.is_file():
+        written = sorted(p.name for p in role_dir.glob("optimizer*.pt"))
+        raise FileNotFoundError(
+            f"{path} is missing: the checkpoint holds optimizer state {written}, written by a "
+            f"layout of another tensor-parallel size; resume with the same tp size for the "
+            f"trained layout of {role_dir.name!r} (see allocation_mode in config.yaml)"
+        )
+    return path
+
+
 def _load_rng_state(worker, path: Path) -> None:
     if not path.is_file():
-        logger.warning("%s is missing (the checkpoint was written by fewer workers): worker %d "
-                       "keeps its seeded RNG streams", path, worker.rank)
+        logger.warning(
+            "%s is missing (the checkpoint was written by fewer workers): worker %d "
+            "keeps its seeded RNG streams",
+            path,
+            worker.rank,
+        )
         return
     rng = torch.load(path, weights_only=False)
     torch.set_rng_state(rng["torch"])
@@ -90,8 +143,11 @@ def _load_rng_state(worker, path: Path) -> None:
         if str(layout) in rng["generators"]:
             hosted.engine.generator.set_state(rng["generators"][str(layout)])
         else:
-            logger.warning("layout %s is new since the checkpoint: its sampling generator "
-                           "starts from its seed", layout)
+            logger.warning(
+                "layout %s is new since the checkpoint: its sampling generator "
+                "starts from its seed",
+                layout,
+            )
 
 
 def _load_interface_state(worker, mfc, state: dict) -> None:
@@ -106,6 +162,8 @@ def _load_interface_state(worker, mfc, state: dict) -> None:
         engine = worker.models[worker.plan.layout_of(mfc.name)].engine
         normalizer = training_state.normalizer(engine.parallel.dp_group)
         if normalizer is None:
-            raise ValueError(f"the checkpoint's {mfc.name} has value-normaliser statistics but "
-                             "this run has ppo.value_norm=false; resume with ppo.value_norm=true")
+            raise ValueError(
+                f"the checkpoint's {mfc.name} has value-normaliser statistics but "
+                "this run has ppo.value_norm=false; resume with ppo.value_norm=true"
+            )
         normalizer.load_state_dict(state["value_normalizer"])

@@ -1,4 +1,10 @@
-"""Build a model worker's engine for one model role from its checkpoint directory."""
+"""Build a model worker's engine for one model role from its checkpoint directory.
+
+A tensor-parallel layout (tp size > 1) loads the full checkpoint, then keeps this rank's shard
+(`realrl.models.tensor_parallel.shard_state_dict`) in a module built with tensor-parallel
+layers on the layout's tp group. Divisibility of heads, vocabulary and MLP size by the tp size
+is checked when the plan is made.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +13,51 @@ import torch
 from realrl.api.experiment import ModelKind, ModelSpec
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.models.checkpoint import load_pretrained
+from realrl.models.tensor_parallel import TensorParallelLayerFactory, shard_state_dict
 from realrl.models.tokenizer import load_tokenizer
+from realrl.models.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_engine(spec: ModelSpec, parallel: ParallelContext, trains: bool,
-                total_optimizer_steps: int, seed: int) -> TorchEngine:
-    """Load `spec`'s weights (the launcher has resolved every path) and wrap them in an engine
-    with an optimizer when this layout trains the role."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+def shard_module(full: Transformer, parallel: ParallelContext) -> Transformer:
+    """`full`'s tensor-parallel shard for `parallel.tp_rank`, with layers on `parallel.tp_group`
+    (the full module itself when the tp size is 1)."""
+    if parallel.tp_size == 1:
+        return full
+    config = full.config
+    with torch.device("meta"):
+        module = Transformer(config, TensorParallelLayerFactory(parallel.tp_group))
+    shard = shard_state_dict(full.state_dict(), parallel.tp_rank, parallel.tp_size, config)
+    module.load_state_dict(shard, strict=True, assign=True)
+    module.attention_kernel = full.attention_kernel
+    return module
+
+
+def load_engine(
+    spec: ModelSpec, parallel: ParallelContext, trains: bool, total_optimizer_steps: int, seed: int
+) -> TorchEngine:
+    """Load `spec`'s weights (the launcher has resolved every path), shard them when the layout
+    is tensor parallel, and wrap them in an engine with an optimizer when this layout trains
+    the role. `seed` seeds sampling: give every tp rank of a replica the same one."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu")
-    module = load_pretrained(spec.config.path, critic=spec.kind == ModelKind.critic,
-                             dtype=DTYPES[spec.config.dtype.value], device=device)
+    )
+    module = load_pretrained(
+        spec.config.path,
+        critic=spec.kind == ModelKind.critic,
+        dtype=DTYPES[spec.config.dtype.value],
+        device=device,
+    )
+    module = shard_module(module, parallel)
     tokenizer = load_tokenizer(spec.config.path)
-    engine = TorchEngine(module, tokenizer, parallel,
-                         optimizer_config=spec.config.optimizer if trains else None,
-                         total_optimizer_steps=total_optimizer_steps, seed=seed)
-    return engine
+    return TorchEngine(
+        module,
+        tokenizer,
+        parallel,
+        optimizer_config=spec.config.optimizer if trains else None,
+        total_optimizer_steps=total_optimizer_steps,
+        seed=seed,
+    )

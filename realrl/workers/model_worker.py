@@ -75,9 +75,11 @@ class ModelWorker:
             steps_per_call = max(
                 (self._interface(m).optimizer_steps_per_call() for m in self.plan.mfcs
                  if m.is_train and m.model_role == layout.role), default=1)
+            # The replica's tp-0 rank names the sampling seed: tp ranks must sample alike.
+            replica_rank = allocation.rank_at(coords.dp, coords.pp, 0)
             engine = load_engine(spec, parallel, trains=trains,
                                  total_optimizer_steps=self.plan.base.total_train_steps * steps_per_call,
-                                 seed=self.plan.base.seed * 1000 + self.rank)
+                                 seed=self.plan.base.seed * 1000 + replica_rank)
             self.models[layout] = HostedModel(layout, engine)
             logger.info("hosting %s (%s, dp %d/%d, tp %d/%d)", layout, "trainable" if trains else
                         "frozen", coords.dp, allocation.strategy.data, coords.tp,

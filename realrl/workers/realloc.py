@@ -2,10 +2,18 @@
 
 A transfer goes from a *source* layout (the owner of the newest weights) to a *target* layout:
 `target = eta * source + (1 - eta) * target`, with eta = 1 for a plain reallocation and
-0 < eta < 1 for the EMA reference update. Ranks that hold both layouts blend locally; the others
-receive the source's parameters by broadcast from the source's first rank over a process group
-made at start-up, in buckets, never through the disk. Every rank of a transfer's group must call
-`transfer_parameters` for the same transfer; the master sends the request to all of them.
+0 < eta < 1 for the EMA reference update. Layouts may be tensor parallel (tp fastest in a
+layout's ranks, so the tp group of data-parallel replica 0 is `ranks[:tensor]`).
+
+Who does what, in buckets of whole parameters, never through the disk:
+- *local* ranks hold a source shard identical in slicing to their target shard (same tensor
+  size and tp rank; every data-parallel replica of the source is identical) and blend locally;
+- the *sender* (the source's first rank) gathers the full parameters from the tp group of the
+  source's replica 0 and broadcasts them over a process group made at start-up;
+- *receivers* (every other target rank) take the full parameters and keep their own tp slice.
+Every rank named by `transfer_ranks` must call `transfer_parameters` for the same transfer; the
+master sends the request to all of them. Each rank enters gathers and broadcasts in bucket
+order, so ranks in both the gather group and the broadcast group cannot deadlock.
 """
 
 from __future__ import annotations
@@ -16,27 +24,80 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from realrl.api.allocation import ParallelStrategy
 from realrl.backends.torch_engine import TorchEngine
+from realrl.models.config import ModelConfig
+from realrl.models.tensor_parallel import shard_state_dict, unshard_state_dicts
+from realrl.models.transformer import Transformer
 from realrl.workers.run_plan import LayoutKey, RunPlan
 
 BUCKET_BYTES = 64 * 1024 * 1024
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+# ---------------------------------------------------------------------- who takes part
+
+
+def tensor_size(layout: LayoutKey) -> int:
+    return ParallelStrategy.parse(layout.strategy).tensor
+
+
+def tensor_rank(layout: LayoutKey, rank: int) -> int:
+    """`rank`'s tp coordinate in `layout` (tp varies fastest over the layout's ranks)."""
+    return layout.ranks.index(rank) % tensor_size(layout)
+
+
 def source_rank(source: LayoutKey) -> int:
     return source.ranks[0]
 
 
+def gather_group_ranks(source: LayoutKey) -> list[int]:
+    """The tp group of the source's data-parallel replica 0; the sender gathers from it."""
+    return list(source.ranks[: tensor_size(source)])
+
+
+def local_ranks(source: LayoutKey, target: LayoutKey) -> list[int]:
+    """Target ranks whose own source shard has exactly the slicing of their target shard."""
+    if tensor_size(source) != tensor_size(target):
+        return []
+    return [
+        rank
+        for rank in target.ranks
+        if rank in source.ranks and tensor_rank(source, rank) == tensor_rank(target, rank)
+    ]
+
+
+def receiver_ranks(source: LayoutKey, target: LayoutKey) -> list[int]:
+    """Target ranks that get the full parameters by broadcast from the sender."""
+    local = local_ranks(source, target)
+    return [rank for rank in target.ranks if rank not in local and rank != source_rank(source)]
+
+
+def _sender_blends(source: LayoutKey, target: LayoutKey) -> bool:
+    """The sender holds a target shard sliced differently: it blends from the full weights."""
+    sender = source_rank(source)
+    return sender in target.ranks and sender not in local_ranks(source, target)
+
+
+def _needs_full_parameters(source: LayoutKey, target: LayoutKey) -> bool:
+    return bool(receiver_ranks(source, target)) or _sender_blends(source, target)
+
+
 def transfer_group_ranks(source: LayoutKey, target: LayoutKey) -> list[int]:
-    """The source's first rank plus every target rank that holds no source replica."""
-    receivers = [rank for rank in target.ranks if rank not in source.ranks]
+    """The broadcast group: the sender plus every receiver (empty when nobody receives)."""
+    receivers = receiver_ranks(source, target)
     return sorted({source_rank(source), *receivers}) if receivers else []
 
 
 def transfer_ranks(source: LayoutKey, target: LayoutKey) -> list[int]:
-    """Every rank with work in a transfer: the group plus ranks that blend locally."""
-    local = [rank for rank in target.ranks if rank in source.ranks]
-    return sorted(set(transfer_group_ranks(source, target)) | set(local))
+    """Every rank with work in a transfer: local blenders, the gather group, sender, receivers."""
+    ranks = set(transfer_group_ranks(source, target)) | set(local_ranks(source, target))
+    if _needs_full_parameters(source, target):
+        ranks |= {source_rank(source), *gather_group_ranks(source)}
+    return sorted(ranks)
+
+
+# ---------------------------------------------------------------------- process groups
 
 
 @dataclass
@@ -51,10 +112,10 @@ class ProcessGroups:
         groups = cls(plan=plan)
         for layout in plan.layouts():
             allocation = plan.allocation_of_layout(layout)
-            if allocation.strategy.tensor > 1 or allocation.strategy.pipeline > 1:
+            if allocation.strategy.pipeline > 1:
                 raise NotImplementedError(
-                    f"layout {layout}: the torch backend runs data parallelism only; "
-                    f"use a 'dN' layout (tensor/pipeline parallelism need the megatron backend)"
+                    f"layout {layout}: the torch backend runs data and tensor parallelism only; "
+                    f"use a 'dNtM' layout without 'p' (pipeline parallelism is not supported yet)"
                 )
             for ranks in allocation.data_groups() + allocation.tensor_groups():
                 groups._make(ranks)
@@ -78,16 +139,76 @@ class ProcessGroups:
         return self._group_with(self.plan.allocation_of_layout(layout).tensor_groups(), rank)
 
 
-def _buckets(parameters: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+# ---------------------------------------------------------------------- moving weights
+
+
+def full_parameter_shapes(config: ModelConfig) -> list[tuple[str, torch.Size]]:
+    """(name, full shape) of every parameter, in `named_parameters` order (equal for shards)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    return [(name, parameter.shape) for name, parameter in model.named_parameters()]
+
+
+def _buckets(shapes: list[tuple[str, torch.Size]], element_size: int) -> Iterator[list]:
     bucket, size = [], 0
-    for parameter in parameters:
-        bucket.append(parameter)
-        size += parameter.numel() * parameter.element_size()
+    for name, shape in shapes:
+        bucket.append((name, shape))
+        size += shape.numel() * element_size
         if size >= BUCKET_BYTES:
             yield bucket
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def _gather_bucket(
+    engine: TorchEngine,
+    names: list[str],
+    dtype: torch.dtype,
+    root: int,
+    group: dist.ProcessGroup | None,
+) -> dict[str, torch.Tensor] | None:
+    """Full tensors of `names` on `root` (None elsewhere) from the shards of a tp group."""
+    parameters = dict(engine.module.named_parameters())
+    if group is None:  # tensor size 1: the root holds the full parameters
+        return {name: parameters[name].detach().to(dtype) for name in names}
+    flat = torch.cat([parameters[name].detach().to(dtype).reshape(-1) for name in names])
+    is_root = dist.get_rank() == root
+    pieces = (
+        [torch.empty_like(flat) for _ in range(dist.get_world_size(group))] if is_root else None
+    )
+    dist.gather(flat, pieces, dst=root, group=group)
+    if not is_root:
+        return None
+    sizes = [parameters[name].numel() for name in names]
+    shards = [
+        {
+            name: part.view_as(parameters[name])
+            for name, part in zip(names, piece.split(sizes), strict=True)
+        }
+        for piece in pieces
+    ]
+    return unshard_state_dicts(shards, engine.module.config)
+
+
+def _broadcast_bucket(
+    full: dict[str, torch.Tensor] | None,
+    bucket: list,
+    dtype: torch.dtype,
+    root: int,
+    group: dist.ProcessGroup,
+    device,
+) -> dict[str, torch.Tensor]:
+    if full is not None:
+        flat = torch.cat([full[name].reshape(-1) for name, _ in bucket])
+    else:
+        flat = torch.empty(sum(shape.numel() for _, shape in bucket), dtype=dtype, device=device)
+    dist.broadcast(flat, src=root, group=group)
+    sizes = [shape.numel() for _, shape in bucket]
+    return {
+        name: part.view(shape)
+        for (name, shape), part in zip(bucket, flat.split(sizes), strict=True)
+    }
 
 
 @torch.no_grad()
@@ -96,6 +217,35 @@ def _blend(target: torch.Tensor, source: torch.Tensor, eta: float) -> None:
         target.copy_(source)
     else:
         target.copy_((eta * source.float() + (1.0 - eta) * target.float()).to(target.dtype))
+
+
+@torch.no_grad()
+def _blend_full_into(
+    engine: TorchEngine, full: dict[str, torch.Tensor], target: LayoutKey, rank: int, eta: float
+) -> None:
+    """Blend full tensors into this rank's slice of them in `engine` (a `target` shard)."""
+    size = tensor_size(target)
+    if size > 1:
+        full = shard_state_dict(full, tensor_rank(target, rank), size, engine.module.config)
+    parameters = dict(engine.module.named_parameters())
+    for name, tensor in full.items():
+        _blend(parameters[name], tensor.to(parameters[name].device), eta)
+
+
+def gather_full_parameters(
+    engine: TorchEngine, layout: LayoutKey, rank: int, groups: ProcessGroups
+) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) parameters of `layout`'s replica 0, on its first rank (None on the
+    other ranks of that tp group, which must call too). Used for checkpoints."""
+    root = source_rank(layout)
+    group = groups.tensor_group(layout, rank) if tensor_size(layout) > 1 else None
+    dtype = engine.module.dtype
+    full: dict[str, torch.Tensor] = {}
+    for bucket in _buckets(full_parameter_shapes(engine.module.config), dtype.itemsize):
+        gathered = _gather_bucket(engine, [name for name, _ in bucket], dtype, root, group)
+        if gathered is not None:
+            full.update(gathered)
+    return full if rank == root else None
 
 
 @torch.no_grad()
@@ -109,26 +259,38 @@ def transfer_parameters(
     groups: ProcessGroups,
     plan: RunPlan,
 ) -> None:
-    if rank in source.ranks and rank in target.ranks:
-        for target_param, source_param in zip(target_engine.module.parameters(),
-                                              source_engine.module.parameters(), strict=True):
+    """This rank's part of `target = eta * source + (1 - eta) * target` (see the module
+    docstring); engines are None where this rank holds no shard of that layout."""
+    if rank in local_ranks(source, target):
+        for target_param, source_param in zip(
+            target_engine.module.parameters(), source_engine.module.parameters(), strict=True
+        ):
             _blend(target_param, source_param, eta)
-    group_ranks = transfer_group_ranks(source, target)
-    if rank not in group_ranks:
+    if not _needs_full_parameters(source, target):
         return
-    group = groups.by_ranks[tuple(group_ranks)]
-    sender = rank == source_rank(source)
-    engine = source_engine if sender else target_engine
-    source_dtype = DTYPES[plan.models[source.role].config.dtype.value]
-    for bucket in _buckets(list(engine.module.parameters())):
-        if sender:
-            flat = torch.cat([p.detach().to(source_dtype).reshape(-1) for p in bucket])
-        else:
-            flat = torch.empty(sum(p.numel() for p in bucket), dtype=source_dtype,
-                               device=engine.device)
-        dist.broadcast(flat, src=source_rank(source), group=group)
-        if not sender:
-            offset = 0
-            for parameter in bucket:
-                _blend(parameter, flat[offset: offset + parameter.numel()].view_as(parameter), eta)
-                offset += parameter.numel()
+    sender = source_rank(source)
+    gathers = rank == sender or (tensor_size(source) > 1 and rank in gather_group_ranks(source))
+    group_ranks = transfer_group_ranks(source, target)
+    receives = rank != sender and rank in group_ranks
+    if not (gathers or receives):
+        return
+    gather_group = (
+        groups.tensor_group(source, rank) if gathers and tensor_size(source) > 1 else None
+    )
+    broadcast_group = groups.by_ranks[tuple(group_ranks)] if rank in group_ranks else None
+    engine = source_engine if gathers else target_engine
+    wire_dtype = DTYPES[plan.models[source.role].config.dtype.value]
+    blends = receives or (rank == sender and _sender_blends(source, target))
+    shapes = full_parameter_shapes(engine.module.config)
+    for bucket in _buckets(shapes, wire_dtype.itemsize):
+        full = None
+        if gathers:
+            full = _gather_bucket(
+                source_engine, [name for name, _ in bucket], wire_dtype, sender, gather_group
+            )
+        if broadcast_group is not None:
+            full = _broadcast_bucket(
+                full, bucket, wire_dtype, sender, broadcast_group, engine.device
+            )
+        if blends:
+            _blend_full_into(target_engine, full, target, rank, eta)

@@ -74,3 +74,9 @@ def test_broken_import_is_reported_without_traceback():
     result = run_cli("--import", "no_such_module_xyz")
     assert result.returncode == 2
     assert "no_such_module_xyz" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_pipeline_parallel_layouts_are_rejected_in_dry_run_with_a_fix():
+    result = run_cli("ppo-math", "--dry-run", "n_devices_per_node=2", "allocation_mode=d1p2")
+    assert result.returncode == 2
+    assert "pipeline parallelism" in result.stderr and "'d2t1'" in result.stderr

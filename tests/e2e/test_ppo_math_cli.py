@@ -27,6 +27,9 @@ ALLOCATIONS = [
     # Generation data-parallel over both workers, training on worker 0 alone: the actor's
     # weights move from the d1 training layout to the d2 generation layout every step.
     pytest.param(["allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2"], id="gen_d2_train_d1"),
+    # Tensor-parallel training over both workers: the actor's shards are gathered and moved to
+    # the data-parallel generation layout every step, and the checkpoint holds full weights.
+    pytest.param(["allocation_mode=actor_gen:d2,actor_train:d1t2,*:d2"], id="gen_d2_train_t2"),
     # Critic-free GRPO, every MFC data-parallel over both workers.
     pytest.param(
         ["allocation_mode=d2", "ppo.disable_value=true", "ppo.adv_estimator=grpo"],

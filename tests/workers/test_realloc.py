@@ -1,8 +1,11 @@
-"""Parameter reallocation and the EMA hook across layouts, with real gloo processes."""
+"""Parameter reallocation and the EMA hook across layouts, with real gloo processes.
+
+A layout is a list of ranks (data parallel over them) or (ranks, "dNtM") for tensor-parallel
+layouts; every rank saves its shard and the test reassembles each replica's full parameters.
+"""
 
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -20,104 +23,253 @@ from realrl.api.experiment import (
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.launcher.defaults import fresh_default_model
 from realrl.models.checkpoint import load_pretrained
-from realrl.workers.realloc import ProcessGroups, transfer_parameters, transfer_ranks
-from realrl.workers.run_plan import RunPlan
+from realrl.models.tensor_parallel import unshard_state_dicts
+from realrl.workers.model_loading import shard_module
+from realrl.workers.realloc import (
+    ProcessGroups,
+    transfer_group_ranks,
+    transfer_parameters,
+    transfer_ranks,
+)
+from realrl.workers.run_plan import LayoutKey, RunPlan
 
 
-def make_plan(model_path, layouts, eta):
+def ranks_and_strategy(layout) -> tuple[list[int], ParallelStrategy]:
+    if isinstance(layout, tuple):
+        return list(layout[0]), ParallelStrategy.parse(layout[1])
+    return list(layout), ParallelStrategy(data=len(layout))
+
+
+def world_size(layouts) -> int:
+    return 1 + max(max(ranks_and_strategy(layout)[0]) for layout in layouts.values())
+
+
+def make_plan(model_path, layouts, eta, world):
     """actor_train on layouts['train'], actor_gen on layouts['gen'], ref_inf on layouts['ref']."""
-    world = 3
 
-    def allocation(name, ranks):
-        mesh = DeviceMesh(1, world, tuple(ranks))
-        return MFCAllocation(name, mesh, ParallelStrategy(data=len(ranks)))
+    def allocation(name, layout):
+        ranks, strategy = ranks_and_strategy(layout)
+        return MFCAllocation(name, DeviceMesh(1, world, tuple(ranks)), strategy)
 
     config = ModelRoleConfig(path=str(model_path))
     mfcs = [
         MFCDef("actor_gen", "actor", "generate", "ppo_actor", None, ("p",), ("x",)),
         MFCDef("ref_inf", "ref", "inference", "reference", None, ("x",), ("r",)),
-        MFCDef("actor_train", "actor", "train_step", "ppo_actor", None, ("x", "r"),
-               post_hooks=[ParamReallocHook("actor", "ref", eta)]),
+        MFCDef(
+            "actor_train",
+            "actor",
+            "train_step",
+            "ppo_actor",
+            None,
+            ("x", "r"),
+            post_hooks=[ParamReallocHook("actor", "ref", eta)],
+        ),
     ]
     return RunPlan(
-        base=BaseExperimentConfig(n_devices_per_node=world), dataset=DatasetConfig(),
+        base=BaseExperimentConfig(n_devices_per_node=world),
+        dataset=DatasetConfig(),
         dataset_kind=DatasetKind.prompt,
-        models={"actor": ModelSpec("actor", ModelKind.lm, config, True),
-                "ref": ModelSpec("ref", ModelKind.lm, config)},
+        models={
+            "actor": ModelSpec("actor", ModelKind.lm, config, True),
+            "ref": ModelSpec("ref", ModelKind.lm, config),
+        },
         mfcs=mfcs,
-        allocations={"actor_gen": allocation("actor_gen", layouts["gen"]),
-                     "ref_inf": allocation("ref_inf", layouts["ref"]),
-                     "actor_train": allocation("actor_train", layouts["train"])},
+        allocations={
+            "actor_gen": allocation("actor_gen", layouts["gen"]),
+            "ref_inf": allocation("ref_inf", layouts["ref"]),
+            "actor_train": allocation("actor_train", layouts["train"]),
+        },
     )
 
 
-def worker(rank, world, port, model_path, layouts, etas, result_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    plan = make_plan(model_path, layouts, etas[0])
-    groups = ProcessGroups.create(plan)
-    engines = {}
-    for layout in plan.layouts():
-        if rank in layout.ranks:
-            engines[layout] = TorchEngine(load_pretrained(model_path), None, ParallelContext())
-    owner, ref_owner = plan.owner_layout("actor"), plan.owner_layout("ref")
-    if owner in engines:  # "training": move the owner's weights away from the checkpoint
+def build_engine(model_path, plan, layout, rank, groups, trained: bool) -> TorchEngine:
+    """The layout's shard of the checkpoint, or of the "trained" weights (checkpoint + noise)."""
+    allocation = plan.allocation_of_layout(layout)
+    coordinates = allocation.coordinates_of(rank)
+    parallel = ParallelContext(
+        dp_rank=coordinates.dp,
+        dp_size=allocation.strategy.data,
+        tp_rank=coordinates.tp,
+        tp_size=allocation.strategy.tensor,
+        tp_group=groups.tensor_group(layout, rank),
+    )
+    full = load_pretrained(model_path)
+    if trained:  # move the owner's weights away from the checkpoint
         generator = torch.Generator().manual_seed(7)
         with torch.no_grad():
-            for parameter in engines[owner].module.parameters():
+            for parameter in full.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator))
+    return TorchEngine(shard_module(full, parallel), None, parallel)
+
+
+def run_transfers(rank, world, model_path, layouts, etas, result_dir):
+    plan = make_plan(model_path, layouts, etas[0], world)
+    groups = ProcessGroups.create(plan)
+    owner, ref_owner = plan.owner_layout("actor"), plan.owner_layout("ref")
+    engines = {
+        layout: build_engine(model_path, plan, layout, rank, groups, layout == owner)
+        for layout in plan.layouts()
+        if rank in layout.ranks
+    }
     gen_layout = plan.layout_of("actor_gen")
-    transfers = [(owner, gen_layout, 1.0, "gen")] + [(owner, ref_owner, eta, f"ema{eta}")
-                                                     for eta in etas]
+    transfers = [(owner, gen_layout, 1.0, "gen")] + [
+        (owner, ref_owner, eta, f"ema{eta}") for eta in etas
+    ]
     for source, target, weight, label in transfers:
         if target == ref_owner and ref_owner in engines:  # each eta starts from the checkpoint
-            engines[ref_owner] = TorchEngine(load_pretrained(model_path), None, ParallelContext())
+            engines[ref_owner] = build_engine(model_path, plan, ref_owner, rank, groups, False)
         if rank in transfer_ranks(source, target):
-            transfer_parameters(engines.get(source), engines.get(target), source, target, rank,
-                                weight, groups, plan)
+            transfer_parameters(
+                engines.get(source), engines.get(target), source, target, rank, weight, groups, plan
+            )
         dist.barrier()
         if target in engines:
+            parallel = engines[target].parallel
             state = {n: p.detach().clone() for n, p in engines[target].module.named_parameters()}
-            torch.save(state, os.path.join(result_dir, f"{label}-rank{rank}.pt"))
+            torch.save(
+                {"dp": parallel.dp_rank, "tp": parallel.tp_rank, "state": state},
+                os.path.join(result_dir, f"{label}-rank{rank}.pt"),
+            )
+
+
+def worker(rank, world, port, model_path, cases, etas, result_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    for case_index, layouts in enumerate(cases):
+        case_dir = os.path.join(result_dir, f"case{case_index}")
+        os.makedirs(case_dir, exist_ok=True)
+        run_transfers(rank, world, model_path, layouts, etas, case_dir)
     dist.destroy_process_group()
 
 
 LAYOUT_CASES = {
-    "train d1 on rank 0, gen d3 on all, ref on rank 2": {"train": [0], "gen": [0, 1, 2],
-                                                       "ref": [2]},
+    "train d1 on rank 0, gen d3 on all, ref on rank 2": {
+        "train": [0],
+        "gen": [0, 1, 2],
+        "ref": [2],
+    },
     "train d2, gen d1 on a sub-mesh outside it": {"train": [0, 1], "gen": [2], "ref": [0]},
-    "train d3, gen d2 on a sub-mesh, ref on rank 1": {"train": [0, 1, 2], "gen": [1, 2],
-                                                      "ref": [1]},
+    "train d3, gen d2 on a sub-mesh, ref on rank 1": {
+        "train": [0, 1, 2],
+        "gen": [1, 2],
+        "ref": [1],
+    },
+}
+
+
+TENSOR_PARALLEL_CASES = {
+    "train d1t2 -> gen d2t1 on the same ranks, ref t1 elsewhere": {
+        "train": ([0, 1], "d1t2"),
+        "gen": ([0, 1], "d2t1"),
+        "ref": [2],
+    },
+    "train d2t1 -> gen d1t2 on the same ranks, ref t2 elsewhere": {
+        "train": [0, 1],
+        "gen": ([0, 1], "d1t2"),
+        "ref": ([2, 3], "d1t2"),
+    },
+    "train d1t2 -> gen d1 on a sub-mesh outside it, ref t2 -> t2 on other ranks": {
+        "train": ([0, 1], "d1t2"),
+        "gen": [2],
+        "ref": ([2, 3], "d1t2"),
+    },
+    "train d2t2 -> gen d2t1 on half of it, ref t2 blended in place": {
+        "train": ([0, 1, 2, 3], "d2t2"),
+        "gen": [2, 3],
+        "ref": ([0, 1], "d1t2"),
+    },
+    "train d1t2 -> gen t2 shifted by one rank, ref d2t1 on the train ranks": {
+        "train": ([0, 1], "d1t2"),
+        "gen": ([1, 2], "d1t2"),
+        "ref": [0, 1],
+    },
 }
 
 
 ETAS = (1.0, 0.5, 0.01)
 
 
-@pytest.mark.parametrize("case", list(LAYOUT_CASES))
-def test_reallocation_and_ema_match_the_formula_across_layouts(tmp_path, case):
-    layouts = LAYOUT_CASES[case]
-    model_path = fresh_default_model(tmp_path / "model")
+def run_cases(tmp_path, cases: list[dict]) -> tuple[dict, dict]:
+    """Runs every case in one set of processes; returns (initial, trained) full parameters."""
     from realrl.launcher.run import free_port
 
-    mp.start_processes(worker, args=(3, free_port(), str(model_path), layouts, ETAS,
-                                     str(tmp_path)), nprocs=3, start_method="spawn")
+    model_path = fresh_default_model(tmp_path / "model")
+    world = max(world_size(layouts) for layouts in cases)
+    mp.start_processes(
+        worker,
+        args=(world, free_port(), str(model_path), cases, ETAS, str(tmp_path)),
+        nprocs=world,
+        start_method="spawn",
+    )
     initial = {n: p.detach() for n, p in load_pretrained(model_path).named_parameters()}
     trained = {}
     generator = torch.Generator().manual_seed(7)
     for name, parameter in initial.items():
         trained[name] = parameter + torch.randn(parameter.shape, generator=generator)
-    results = {path.name: torch.load(path) for path in tmp_path.glob("*.pt")}
-    gen_files = [name for name in results if name.startswith("gen-")]
-    assert len(gen_files) == len(layouts["gen"])
-    for name in gen_files:  # every generation replica equals the trained weights exactly
-        for key, value in results[name].items():
-            assert torch.equal(value, trained[key]), (name, key)
+    return initial, trained
+
+
+def full_replicas(case_dir, label: str, config) -> dict[int, dict[str, torch.Tensor]]:
+    """Each data-parallel replica's full parameters, from its tp ranks' saved shards."""
+    saved = [torch.load(path) for path in case_dir.glob(f"{label}-rank*.pt")]
+    replicas = {}
+    for dp in sorted({entry["dp"] for entry in saved}):
+        shards = sorted((e for e in saved if e["dp"] == dp), key=lambda e: e["tp"])
+        replicas[dp] = unshard_state_dicts([shard["state"] for shard in shards], config)
+    return replicas
+
+
+def check_case(case_dir, layouts, initial, trained, config, case_name) -> None:
+    gen_ranks, gen_strategy = ranks_and_strategy(layouts["gen"])
+    assert len(list(case_dir.glob("gen-rank*.pt"))) == len(gen_ranks), case_name
+    generation = full_replicas(case_dir, "gen", config)
+    assert len(generation) == gen_strategy.data, case_name
+    for dp, parameters in generation.items():  # every replica equals the trained weights
+        for key, value in parameters.items():
+            assert torch.equal(value, trained[key]), (case_name, dp, key)
+    ref_ranks, ref_strategy = ranks_and_strategy(layouts["ref"])
     for eta in ETAS:
-        ref_files = [name for name in results if name.startswith(f"ema{eta}-")]
-        assert len(ref_files) == len(layouts["ref"])
-        for name in ref_files:  # ref = eta * actor + (1 - eta) * ref
-            for key, value in results[name].items():
+        assert len(list(case_dir.glob(f"ema{eta}-rank*.pt"))) == len(ref_ranks), case_name
+        references = full_replicas(case_dir, f"ema{eta}", config)
+        assert len(references) == ref_strategy.data, case_name
+        for dp, parameters in references.items():  # ref = eta * actor + (1 - eta) * ref
+            for key, value in parameters.items():
                 expected = eta * trained[key] + (1 - eta) * initial[key]
-                torch.testing.assert_close(value, expected, rtol=0, atol=1e-6)
+                torch.testing.assert_close(
+                    value, expected, rtol=0, atol=1e-6, msg=f"{case_name} eta={eta} dp={dp} {key}"
+                )
+
+
+def test_reallocation_and_ema_match_the_formula_across_data_parallel_layouts(tmp_path):
+    """Every data-parallel case runs in one set of 3 processes (spawning costs seconds)."""
+    initial, trained = run_cases(tmp_path, list(LAYOUT_CASES.values()))
+    config = load_pretrained(tmp_path / "model").config
+    for index, (name, layouts) in enumerate(LAYOUT_CASES.items()):
+        check_case(tmp_path / f"case{index}", layouts, initial, trained, config, name)
+
+
+def test_reallocation_and_ema_between_tensor_and_data_parallel_layouts(tmp_path):
+    """Every tensor-parallel case runs in one set of 4 processes (spawning costs seconds)."""
+    cases = list(TENSOR_PARALLEL_CASES.values())
+    initial, trained = run_cases(tmp_path, cases)
+    config = load_pretrained(tmp_path / "model").config
+    for index, (name, layouts) in enumerate(TENSOR_PARALLEL_CASES.items()):
+        check_case(tmp_path / f"case{index}", layouts, initial, trained, config, name)
+
+
+def test_transfer_ranks_name_gatherers_senders_receivers_and_local_blenders():
+    def layout(ranks, strategy):
+        return LayoutKey("actor", tuple(ranks), strategy)
+
+    d2t2 = layout([0, 1, 2, 3], "d2t2p1")
+    # Same slicing on ranks 0-1: blended locally, nothing gathered or sent.
+    assert transfer_group_ranks(d2t2, layout([0, 1], "d1t2p1")) == []
+    assert transfer_ranks(d2t2, layout([0, 1], "d1t2p1")) == [0, 1]
+    # t2 -> d2t1 on ranks 2-3: rank 0 gathers from rank 1 and broadcasts to 2 and 3.
+    assert transfer_group_ranks(d2t2, layout([2, 3], "d2t1p1")) == [0, 2, 3]
+    assert transfer_ranks(d2t2, layout([2, 3], "d2t1p1")) == [0, 1, 2, 3]
+    # t1 sender blending into its own t2 shard; rank 1 receives.
+    assert transfer_ranks(layout([0], "d1t1p1"), layout([0, 1], "d1t2p1")) == [0, 1]
+    assert transfer_group_ranks(layout([0], "d1t1p1"), layout([0, 1], "d1t2p1")) == [0, 1]
