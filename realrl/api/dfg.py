@@ -257,4 +257,4 @@ def _hook_text(hook: Hook) -> str:
         if hook.source_role == hook.target_role:
             return f"reallocate {hook.source_role} weights onto this layout"
         return f"{hook.target_role} = {hook.eta} * {hook.source_role} + {1 - hook.eta:g} * {hook.target_role}"
-    return type(hook).__name__
+    return "offload: release the model's device memory until its next use"

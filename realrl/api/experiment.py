@@ -60,7 +60,10 @@ class ModelRoleConfig:
         "", "Local Hugging Face checkpoint directory; empty: the built-in default model."
     )
     dtype: DType = help_field(DType.float32, "Parameter dtype (never float16 on CPU).")
-    gradient_checkpointing: bool = help_field(False, "Recompute activations in the backward pass.")
+    offload: bool = help_field(
+        False, "Frozen models only: move the weights to host memory after each use (frees GPU "
+        "memory between calls; nothing to free on CPU)."
+    )
     optimizer: OptimizerConfig = help_field(OptimizerConfig(), "Optimizer (trained roles only).")
 
 

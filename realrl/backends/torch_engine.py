@@ -86,6 +86,8 @@ class TorchEngine:
         self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         # Sampling; tp ranks of a replica must share the seed so that they sample alike.
         self.generator = torch.Generator(device=module.device).manual_seed(seed)
+        self.home_device = module.device  # where the module computes; see offload()
+        self.offloaded = False
         self.sharded_parameter_ids = sharded_parameter_ids(module)
         if optimizer_config is not None:
             self.optimizer = torch.optim.AdamW(
@@ -108,6 +110,23 @@ class TorchEngine:
     @property
     def device(self) -> torch.device:
         return self.module.device
+
+    def offload(self) -> None:
+        """Move a frozen model's weights to host memory until `onload`, freeing its GPU memory
+        between uses (the offload hook). On a CPU engine there is nothing to free."""
+        if self.optimizer is not None:
+            raise RuntimeError("only frozen models are offloaded; this one has an optimizer")
+        if self.home_device.type == "cpu" or self.offloaded:
+            return
+        self.module.to("cpu")
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def onload(self) -> None:
+        """Bring offloaded weights back to the engine's device (no-op when they are there)."""
+        if self.offloaded:
+            self.module.to(self.home_device)
+            self.offloaded = False
 
     @torch.no_grad()
     def forward(self, packed_input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

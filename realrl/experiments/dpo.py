@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from realrl.api.config import BaseExperimentConfig, help_field
-from realrl.api.dfg import MFCDef, MFCKind
+from realrl.api.dfg import MFCDef, MFCKind, OffloadHook
 from realrl.api.experiment import (
     DatasetConfig,
     DatasetKind,
@@ -53,6 +53,7 @@ class DPOExperimentConfig(BaseExperimentConfig):
             interface_config=ReferenceConfig(), input_keys=("packed_input_ids",),
             output_keys=("packed_ref_logprobs",), batch_size=batch_size,
             microbatch=self.ref_inf.microbatch_spec(),
+            post_hooks=[OffloadHook()] if self.ref.offload else [],
         )
         actor_train = MFCDef(
             name="actor_train", model_role="actor", kind=MFCKind.train_step, interface="dpo",

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from realrl.api.config import BaseExperimentConfig, help_field
-from realrl.api.dfg import MFCDef, MFCKind, ParamReallocHook
+from realrl.api.dfg import MFCDef, MFCKind, OffloadHook, ParamReallocHook
 from realrl.api.experiment import (
     DatasetConfig,
     DatasetKind,
@@ -124,6 +124,9 @@ class PPOMathConfig(BaseExperimentConfig):
         problems += self.critic.optimizer.validate("critic.optimizer")
         for name in ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"):
             problems += getattr(self, name).validate(name)
+        for role in ("actor", "critic"):
+            if getattr(self, role).offload:
+                problems.append(f"`{role}.offload=true`: only frozen models (ref) are offloaded.")
         if self.group_size < 1:
             problems.append(f"`group_size={self.group_size}` must be >= 1.")
         if self.generation_size is not None and self.generation_size < self.group_size:
@@ -188,7 +191,8 @@ class PPOMathConfig(BaseExperimentConfig):
             mfcs += self._remax_baseline_mfcs(actor_config)
         if use_ref:
             mfcs.append(mfc("ref_inf", "ref", MFCKind.inference, "reference", ReferenceConfig(),
-                            ("packed_input_ids",), ("packed_ref_logprobs",)))
+                            ("packed_input_ids",), ("packed_ref_logprobs",),
+                            post_hooks=[OffloadHook()] if self.ref.offload else []))
         if use_critic:
             critic_config = PPOCriticConfig(ppo=self.ppo)
             mfcs.append(mfc("critic_inf", "critic", MFCKind.inference, "ppo_critic",

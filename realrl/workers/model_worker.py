@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from realrl.api.data import SequenceSample
-from realrl.api.dfg import MFCDef, MFCKind
+from realrl.api.dfg import MFCDef, MFCKind, OffloadHook
 from realrl.api.experiment import ModelKind
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.interfaces.registry import make_interface
@@ -98,7 +98,9 @@ class ModelWorker:
                 self.rule_engines[mfc.model_role] = TokenizerOnlyEngine(
                     load_tokenizer(spec.config.path))
             return self.rule_engines[mfc.model_role]
-        return self.models[self.plan.layout_of(mfc.name)].engine
+        engine = self.models[self.plan.layout_of(mfc.name)].engine
+        engine.onload()
+        return engine
 
     # ------------------------------------------------------------------ handlers
 
@@ -123,6 +125,8 @@ class ModelWorker:
                   MFCKind.train_step: interface.train_step}[mfc.kind]
         started = time.perf_counter()
         result = method(engine, data, mfc.microbatch)
+        if any(isinstance(hook, OffloadHook) for hook in mfc.post_hooks):
+            engine.offload()
         header = {"stats": result.stats, "compute_s": time.perf_counter() - started}
         if result.data is None or self.rank not in self.plan.allocations[mfc.name].dp_head_ranks():
             return message.reply(header)
@@ -134,6 +138,9 @@ class ModelWorker:
         source = LayoutKey(**_layout_fields(message.header["source"]))
         target = LayoutKey(**_layout_fields(message.header["target"]))
         started = time.perf_counter()
+        for layout in (source, target):
+            if layout in self.models:
+                self.models[layout].engine.onload()
         transfer_parameters(
             source_engine=self.models[source].engine if source in self.models else None,
             target_engine=self.models[target].engine if target in self.models else None,
@@ -143,10 +150,14 @@ class ModelWorker:
         return message.reply({"compute_s": time.perf_counter() - started})
 
     def _save(self, message: Message) -> Message:
+        for hosted in self.models.values():
+            hosted.engine.onload()
         checkpointing.save_worker_state(self, message.header["directory"])
         return message.reply({})
 
     def _load(self, message: Message) -> Message:
+        for hosted in self.models.values():
+            hosted.engine.onload()
         checkpointing.load_worker_state(self, message.header["directory"])
         return message.reply({})
 

@@ -31,3 +31,15 @@ def test_best_of_n_trains_on_group_size_responses_per_prompt(tmp_path, cli_env, 
     (metrics,) = read_metrics(tmp_path / "ppo-math" / "trial0")
     assert metrics["actor_train/num_sequences"] == 4 * 2
     assert "rollout/best_of_n_reward" in metrics
+
+
+def test_ref_offload_hook_runs_through_the_cli(tmp_path, cli_env, tiny_model):
+    result = run_cli("ppo-math", [
+        f"output_root={tmp_path}", f"actor.path={tiny_model}", "dataset.batch_size=4",
+        "group_size=2", "gen.max_new_tokens=4", "total_train_steps=2", "ref.offload=true",
+        "ppo.disable_value=true", "ppo.adv_estimator=grpo",
+    ], env=cli_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((tmp_path / "ppo-math" / "trial0" / "plan.json").read_text())
+    ref_inf = next(m for m in plan["mfcs"] if m["name"] == "ref_inf")
+    assert ref_inf["post_hooks"] == [{"type": "OffloadHook"}]
