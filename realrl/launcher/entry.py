@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = args.rank if args.rank is not None else slurm_task.task_rank()
     if args.devices_per_node is not None and slurm_task.under_srun():
         slurm_task.bind_device(slurm_task.check_placement(rank, args.devices_per_node))
+    else:  # local: worker r uses GPU r of this machine (no-op without GPUs)
+        slurm_task.bind_device(rank)
     rendezvous = Rendezvous(host, int(port), is_host=False)
     serve(rendezvous, rank, args.world_size)
     return 0
