@@ -83,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--realrl-workers", type=int, default=1,
                         help="n_devices_per_node of the realrl runs (model-worker processes).")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="Per run.")
+    parser.add_argument("--baseline-omp-wait-policy", default=None,
+                        help="OMP_WAIT_POLICY for the loop and TRL (e.g. PASSIVE, what realrl's "
+                             "launcher gives its workers); default: inherited, as a user runs them.")
     return parser.parse_args(argv)
 
 
@@ -96,7 +99,6 @@ def realrl_command(args, system: str, mode: str, dtype: str, run_root: Path, tri
         f"gen.max_new_tokens={args.max_new_tokens}",
         f"gen.min_new_tokens={args.max_new_tokens if mode == 'fixed' else 0}",
         *[f"{role}.dtype={dtype}" for role in roles],
-        *[f"{role}.gradient_checkpointing=false" for role in roles],
         "actor.optimizer.lr=1e-4", f"n_devices_per_node={args.realrl_workers}",
         f"total_train_steps={args.steps}", "wandb.mode=disabled", "tensorboard=false",
         f"output_root={run_root}", f"experiment_name={system}", f"trial_name={trial}",
@@ -143,6 +145,8 @@ def run_one(args, system: str, mode: str, dtype: str, repeat: int) -> dict:
         command = baseline_command(args, system, mode, dtype, output)
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                    MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+        if args.baseline_omp_wait_policy:
+            env["OMP_WAIT_POLICY"] = args.baseline_omp_wait_policy
     log_file = args.work_dir / "logs" / f"{system}-{trial}.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     load_before = load_average()

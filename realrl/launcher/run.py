@@ -97,13 +97,35 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (what a container, `taskset` or SLURM
+    grants), not `os.cpu_count()`, which counts the whole host."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def openmp_environment() -> dict[str, str]:
+    """`OMP_WAIT_POLICY=PASSIVE` unless the user set a policy.
+
+    OpenMP's default lets a thread that reaches a barrier first spin for a while. Our
+    processes share the cores with each other (and, on a shared machine, with other users),
+    so a spinning thread takes the core its late sibling needs: on the 2-core machine under a
+    load average of ~7, one `actor_gen` took 9.5 s with spinning threads and 1.4 s with
+    sleeping ones (`benchmarks/profile_rl_step.py --clock wall`). Sleeping costs a wake-up
+    per parallel region when the machine is idle, a few percent of a decode step here.
+    """
+    if "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int) -> list[ProcessSpec]:
     run_dir = plan.run_dir.resolve()
-    cores = os.cpu_count() or 1
-    worker_threads = max(1, cores // config.n_workers)
+    worker_threads = max(1, usable_cores() // config.n_workers)
     common = [sys.executable, "-m", "realrl.launcher.entry", "--run-dir", str(run_dir),
               "--store", f"127.0.0.1:{port}", "--world-size", str(config.n_workers)]
-    env = {"REALRL_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1"}
+    env = {"REALRL_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1", **openmp_environment()}
     specs = [ProcessSpec("master", common + ["master"], env, run_dir / "logs" / "master.log",
                          "[master]", num_threads=1)]
     for worker in plan.workers:

@@ -60,9 +60,11 @@ class Attention(nn.Module):
         qkv = self.qkv(hidden).unflatten(
             -1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         )
-        rotated = apply_rotary(qkv[..., : self.num_heads + self.num_kv_heads, :], cos, sin)
+        # One split, not two slices: its backward is one cat, where each slice's backward
+        # fills a zero tensor the size of qkv and adds into it.
+        query_key, value = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], -2)
+        rotated = apply_rotary(query_key, cos, sin)
         query, key = rotated.split([self.num_heads, self.num_kv_heads], dim=-2)
-        value = qkv[..., self.num_heads + self.num_kv_heads :, :]
         return query, key, value
 
 

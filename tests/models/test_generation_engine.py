@@ -222,3 +222,21 @@ def test_greedy_generation_honours_mistral_sliding_window_like_transformers(tmp_
             )[0]
         assert sequence.tolist() == expected.tolist()
     assert (output.packed_logprobs - forward_logprobs(model, output)).abs().max() <= 1e-5
+
+
+def test_small_decode_runs_on_one_thread_and_restores_the_thread_count(models, prompts):
+    # The tiny model's decode is far below SINGLE_THREAD_DECODE_MAX_WORK: it runs on one
+    # thread, gives the same tokens as a one-thread run, and leaves the thread count as it was.
+    _, model = models
+    config = GenerationConfig(n=2, max_new_tokens=10)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = generate(model, *prompts, config, torch.Generator().manual_seed(3))
+        torch.set_num_threads(2)
+        double = generate(model, *prompts, config, torch.Generator().manual_seed(3))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(single.packed_input_ids, double.packed_input_ids)
+    assert (single.packed_logprobs - double.packed_logprobs).abs().max() <= 1e-6

@@ -57,3 +57,22 @@ def test_unknown_kernel_lists_the_choices():
     x = torch.randn(2, 1, 4)
     with pytest.raises(ValueError, match="per_sequence"):
         varlen_attention(x, x, x, layout, kernel="magic")
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_padded_kernel_on_equal_lengths_matches_per_sequence_with_gradients(sliding_window):
+    # Equal lengths take the view path (no scatter/gather); values and gradients must not change.
+    generator = torch.Generator().manual_seed(1)
+    lengths = [5, 5, 5]
+    inputs = [torch.randn(15, heads, 8, generator=generator) for heads in (4, 2, 2)]
+    layout = PackedLayout.from_cu_seqlens(torch.tensor([0, 5, 10, 15], dtype=torch.int32))
+    results = {}
+    for kernel in ("padded", "per_sequence"):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = varlen_attention(*leaves, layout, sliding_window, kernel)
+        (out * torch.arange(out.numel()).reshape(out.shape).sin()).sum().backward()
+        results[kernel] = (out, [leaf.grad for leaf in leaves])
+    expected = reference_attention(*inputs, lengths, sliding_window)
+    assert (results["padded"][0] - expected).abs().max() <= 1e-5
+    for padded_grad, sequence_grad in zip(results["padded"][1], results["per_sequence"][1]):
+        assert (padded_grad - sequence_grad).abs().max() <= 1e-5
