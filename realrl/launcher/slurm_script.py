@@ -162,7 +162,9 @@ def shell_join(tokens: list[str]) -> str:
     return " ".join(token if isinstance(token, Raw) else shlex.quote(token) for token in tokens)
 
 
-_THREADS = "OMP_NUM_THREADS={0} MKL_NUM_THREADS={0} REALRL_NUM_THREADS={0}"
+# OMP_WAIT_POLICY=PASSIVE: see realrl.launcher.run.openmp_environment (a user's choice wins).
+_THREADS = ("OMP_NUM_THREADS={0} MKL_NUM_THREADS={0} REALRL_NUM_THREADS={0} "
+            "OMP_WAIT_POLICY=${{OMP_WAIT_POLICY:-PASSIVE}}")
 
 _SUPERVISE = """\
 # End the job as soon as either step fails: SLURM then kills every remaining task.
