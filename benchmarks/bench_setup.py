@@ -39,23 +39,9 @@ MODEL_SIZES = {
 
 def write_benchmark_model(directory: str | Path, size: str = "small", seed: int = 0) -> Path:
     """Write the benchmark model in Hugging Face format (idempotent for a given directory)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from realrl.launcher.defaults import DEFAULT_ARCHITECTURE, fresh_default_model
 
-    from realrl.models.tokenizer import build_char_tokenizer
-
-    directory = Path(directory)
-    if (directory / "config.json").is_file():
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_char_tokenizer(directory)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, max_position_embeddings=256,
-        tie_word_embeddings=True, **MODEL_SIZES[size],
-    )
-    torch.manual_seed(seed)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    return directory
+    return fresh_default_model(directory, seed, {**DEFAULT_ARCHITECTURE, **MODEL_SIZES[size]})
 
 
 def write_prompt_file(path: str | Path, num_prompts: int = 512, seed: int = 0) -> Path:

@@ -341,15 +341,22 @@ def detect_devices_per_node() -> int:
     """`n_devices_per_node=0`: the GPUs of this machine; without GPUs, one single-threaded
     worker per core for up to 2 cores (tiny models gain more from data parallelism across
     processes than from threads), then one worker per 2 cores, at most 4."""
-    import os
-
     import torch
 
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
+    cores = usable_cores()
     return cores if cores <= 2 else min(4, cores // 2)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (what a container, `taskset` or SLURM
+    grants), not `os.cpu_count()`, which counts the whole host."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def _flatten(mapping: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:

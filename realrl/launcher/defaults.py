@@ -28,8 +28,10 @@ DEFAULT_ARCHITECTURE = {
 }
 
 
-def fresh_default_model(directory: str | Path, seed: int = 1) -> Path:
-    """Write the tiny default model (random weights from `seed`) and its tokenizer."""
+def fresh_default_model(directory: str | Path, seed: int = 1,
+                        architecture: dict | None = None) -> Path:
+    """Write the tiny default model (random weights from `seed`) and its tokenizer;
+    `architecture` replaces `DEFAULT_ARCHITECTURE` (benchmarks use larger sizes)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     directory = Path(directory)
@@ -39,7 +41,7 @@ def fresh_default_model(directory: str | Path, seed: int = 1) -> Path:
     tokenizer = build_char_tokenizer(directory)
     config = Qwen2Config(
         vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **DEFAULT_ARCHITECTURE,
+        pad_token_id=tokenizer.pad_token_id, **(architecture or DEFAULT_ARCHITECTURE),
     )
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

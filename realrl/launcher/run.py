@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from realrl.api.config import BaseExperimentConfig, RecoverMode, to_yaml
+from realrl.api.config import BaseExperimentConfig, RecoverMode, to_yaml, usable_cores
 from realrl.api.experiment import ModelRoleConfig
 from realrl.launcher.plan import LaunchPlan, build_plan
 from realrl.launcher.processes import (
@@ -95,14 +95,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity (what a container, `taskset` or SLURM
-    grants), not `os.cpu_count()`, which counts the whole host."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def openmp_environment() -> dict[str, str]:

@@ -7,10 +7,10 @@ import os
 import pytest
 
 import realrl.experiments  # noqa: F401  (registers ppo-math)
-from realrl.api.config import resolve_config
+from realrl.api.config import resolve_config, usable_cores
 from realrl.api.registry import get_experiment
 from realrl.launcher.plan import build_plan
-from realrl.launcher.run import openmp_environment, process_specs, usable_cores
+from realrl.launcher.run import openmp_environment, process_specs
 
 
 def _specs(tmp_path, n_workers: int):
