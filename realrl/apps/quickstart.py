@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
             return 0
         from realrl.launcher.run import run_experiment
 
-        return run_experiment(config, plan, user_modules=args.imports)
+        return run_experiment(config, plan)
     except (ConfigError, RegistryError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return USAGE_EXIT_CODE

@@ -130,7 +130,7 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int) -> 
     return specs
 
 
-def run_experiment(config: BaseExperimentConfig, plan: LaunchPlan, user_modules=()) -> int:
+def run_experiment(config: BaseExperimentConfig, plan: LaunchPlan) -> int:
     """Run `config` to completion; returns the process exit code."""
     if config.mode.value == "slurm":
         from realrl.launcher.slurm import run_on_slurm
