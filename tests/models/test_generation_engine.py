@@ -240,3 +240,37 @@ def test_small_decode_runs_on_one_thread_and_restores_the_thread_count(models, p
         torch.set_num_threads(before)
     assert torch.equal(single.packed_input_ids, double.packed_input_ids)
     assert (single.packed_logprobs - double.packed_logprobs).abs().max() <= 1e-6
+
+
+def test_compiled_decode_step_matches_the_eager_one(models, prompts):
+    # The compiled step pads the cache to COMPILED_COLUMN_MULTIPLE columns and is built once
+    # per model: greedy tokens equal transformers' (via the eager test above), log-probs equal
+    # a training forward, and a second call with other prompts reuses the compiled graph.
+    _, model = models
+    eager = generate(
+        model, *prompts, GenerationConfig(greedy=True, max_new_tokens=12), torch.Generator()
+    )
+    config = GenerationConfig(greedy=True, max_new_tokens=12, compile=True)
+    compiled = generate(model, *prompts, config, torch.Generator())
+    assert torch.equal(compiled.packed_input_ids, eager.packed_input_ids)
+    assert (compiled.packed_logprobs - eager.packed_logprobs).abs().max() <= 1e-5
+    sampled = generate(
+        model, *prompts, GenerationConfig(max_new_tokens=12, compile=True),
+        torch.Generator().manual_seed(4),
+    )  # same rows, so no second compile
+    assert (sampled.packed_logprobs - forward_logprobs(model, sampled)).abs().max() <= 1e-5
+    assert model.compiled_decode_step is not None
+
+
+def test_transposed_weights_give_the_same_outputs_and_are_dropped_on_exit(models, prompts):
+    _, model = models
+    packed, cu_seqlens = prompts
+    with torch.no_grad():
+        expected = model(packed, cu_seqlens)
+        with model.transposed_weights():
+            assert all(
+                m.weight_t is not None for m in model.modules() if hasattr(m, "weight_t")
+            )
+            transposed = model(packed, cu_seqlens)
+    assert (transposed - expected).abs().max() <= 1e-5
+    assert all(getattr(m, "weight_t", None) is None for m in model.modules())
