@@ -80,11 +80,10 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
             entry.config_class, args.overrides, args.config,
             defaults={"experiment_name": entry.name},
         )
-        from realrl.launcher.plan import build_plan
-
-        plan = build_plan(config)
         if args.dry_run:
-            out.write(plan.describe(to_yaml(config)))
+            from realrl.launcher.plan import build_plan
+
+            out.write(build_plan(config).describe(to_yaml(config)))
             if config.mode.value == "slurm":
                 from realrl.launcher.slurm import describe_dry_run
 
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
             return 0
         from realrl.launcher.run import run_experiment
 
-        return run_experiment(config, plan)
+        return run_experiment(config)
     except (ConfigError, RegistryError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return USAGE_EXIT_CODE

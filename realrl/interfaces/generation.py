@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+from realrl.api import environment
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
@@ -22,15 +23,14 @@ from realrl.models.generation import generate
 
 logger = logging.getLogger(__name__)
 
-RUN_DIR_VARIABLE = "REALRL_RUN_DIR"
 
 
 def output_path(output_file: str, dp_rank: int) -> Path:
     """Where this rank writes: ``output_file`` relative to the run directory, rank-suffixed."""
-    run_dir = os.environ.get(RUN_DIR_VARIABLE)
+    run_dir = os.environ.get(environment.RUN_DIR)
     if not run_dir:
         raise RuntimeError(
-            f"generation: ${RUN_DIR_VARIABLE} is not set, so there is no run directory to write "
+            f"generation: ${environment.RUN_DIR} is not set, so there is no run directory to write "
             f"{output_file!r} into; start the experiment through the launcher (or set it)"
         )
     relative = Path(output_file)

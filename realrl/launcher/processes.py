@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from realrl.api import environment
+
 logger = logging.getLogger(__name__)
 
-NUM_THREADS_ENV_VAR = "REALRL_NUM_THREADS"
 DEFAULT_GRACE_S = 5.0
 DEFAULT_LOG_TAIL_LINES = 30
 _PR_SET_PDEATHSIG = 1
@@ -129,7 +130,7 @@ class _RunningProcess:
         env |= {
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
-            NUM_THREADS_ENV_VAR: threads,
+            environment.NUM_THREADS: threads,
         }
         try:
             self.popen = subprocess.Popen(
@@ -340,7 +341,7 @@ def apply_thread_limit() -> int:
     """Call `torch.set_num_threads` with the share the supervisor gave this process."""
     import torch
 
-    num_threads = int(os.environ.get(NUM_THREADS_ENV_VAR, "1"))
+    num_threads = int(os.environ.get(environment.NUM_THREADS, "1"))
     torch.set_num_threads(num_threads)
     return num_threads
 

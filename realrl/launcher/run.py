@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from realrl.api import environment
 from realrl.api.config import BaseExperimentConfig, RecoverMode, to_yaml, usable_cores
 from realrl.api.experiment import ModelRoleConfig
 from realrl.launcher.plan import LaunchPlan, build_plan
@@ -27,7 +28,7 @@ from realrl.launcher.processes import (
     SupervisorInterrupted,
 )
 from realrl.workers.run_plan import RunPlan, base_settings
-from realrl.workers.transport import create_run_secret
+from realrl.workers.wire import create_run_secret
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int) -> 
     worker_threads = max(1, usable_cores() // config.n_workers)
     common = [sys.executable, "-m", "realrl.launcher.entry", "--run-dir", str(run_dir),
               "--store", f"127.0.0.1:{port}", "--world-size", str(config.n_workers)]
-    env = {"REALRL_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1", **openmp_environment()}
+    env = {environment.RUN_DIR: str(run_dir), "PYTHONUNBUFFERED": "1", **openmp_environment()}
     specs = [ProcessSpec("master", common + ["master"], env, run_dir / "logs" / "master.log",
                          "[master]", num_threads=1)]
     for worker in plan.workers:
@@ -130,12 +131,16 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int) -> 
     return specs
 
 
-def run_experiment(config: BaseExperimentConfig, plan: LaunchPlan) -> int:
-    """Run `config` to completion; returns the process exit code."""
+def run_experiment(config: BaseExperimentConfig) -> int:
+    """Run `config` to completion; returns the process exit code.
+
+    The launch plan is built here, once, after empty model paths are resolved (its checks
+    read each model's config).
+    """
     if config.mode.value == "slurm":
         from realrl.launcher.slurm import run_on_slurm
 
-        return run_on_slurm(config, plan)
+        return run_on_slurm(config)
     resolve_model_paths(config)
     plan = build_plan(config)
     check_dataset(config, plan)

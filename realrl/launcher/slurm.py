@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from realrl.api.config import BaseExperimentConfig, ConfigError, RecoverMode
-from realrl.launcher.plan import LaunchPlan, build_plan
+from realrl.launcher.plan import build_plan
 from realrl.launcher.run import free_port, prepare_run_dir, resolve_model_paths, write_run_files
 from realrl.launcher.slurm_script import (
     SlurmJob,
@@ -43,7 +43,7 @@ from realrl.launcher.slurm_script import (
     worker_srun,
     write_batch_script,
 )
-from realrl.workers.transport import load_run_secret
+from realrl.workers.wire import load_run_secret
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def _run_one_attempt(config: BaseExperimentConfig, job: SlurmJob) -> tuple[str, 
         raise
 
 
-def run_on_slurm(config: BaseExperimentConfig, plan: LaunchPlan) -> int:
+def run_on_slurm(config: BaseExperimentConfig) -> int:
     """Run `config` as a SLURM job (resubmitting per `recover_mode`); returns the exit code."""
     problems = slurm_problems(config)
     if problems:

@@ -32,6 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from realrl.api import environment
 from realrl.api.config import BaseExperimentConfig
 
 GPU_REQUEST_KINDS = ("gres", "gpus", "none")
@@ -202,7 +203,7 @@ def render_batch_script(config: BaseExperimentConfig, job: SlurmJob) -> str:
               f" (written by realrl.launcher.slurm; {config.n_nodes} node(s) x {devices} "
               f"worker task(s) + 1 master task)"]
     header += [f"#SBATCH {option}" for option in sbatch_options(config)]
-    env = {"REALRL_RUN_DIR": str(run_dir), "PYTHONUNBUFFERED": "1", **config.slurm.env}
+    env = {environment.RUN_DIR: str(run_dir), "PYTHONUNBUFFERED": "1", **config.slurm.env}
     lines = [f"export {name}={shlex.quote(str(value))}" for name, value in env.items()]
     secret = job.secret_hex if job.secret_hex is not None else SECRET_PLACEHOLDER
     lines.append(f"export REALRL_RUN_SECRET={shlex.quote(secret)}  # this file is owner-only")

@@ -20,6 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
+from realrl.api import environment
 from realrl.launcher.defaults import fresh_default_model
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ WARM_START_OVERRIDES = [
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("REALRL_CACHE", Path.home() / ".cache" / "realrl")).expanduser()
+    return Path(os.environ.get(environment.CACHE, Path.home() / ".cache" / "realrl")).expanduser()
 
 
 def default_model_path(config, section: str) -> Path:
@@ -53,7 +54,6 @@ def ensure_warm_start(use_packaged: bool = True) -> Path:
         return target
     from realrl.api.config import resolve_config
     from realrl.experiments.sft import SFTExperimentConfig
-    from realrl.launcher.plan import build_plan
     from realrl.launcher.run import run_experiment
 
     logger.info("building the default actor (SFT warm start) into %s; done once", target)
@@ -61,7 +61,7 @@ def ensure_warm_start(use_packaged: bool = True) -> Path:
     overrides = [f"output_root={build_root}", "experiment_name=default-actor",
                  f"trial_name={WARM_START_VERSION}", *WARM_START_OVERRIDES]
     config = resolve_config(SFTExperimentConfig, overrides)
-    if run_experiment(config, build_plan(config)) != 0:
+    if run_experiment(config) != 0:
         raise RuntimeError(f"building the default actor failed; see {config.run_dir}/logs")
     from realrl.workers.recovery import latest_complete_checkpoint
 

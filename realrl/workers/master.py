@@ -24,7 +24,8 @@ from realrl.api.experiment import ModelKind
 from realrl.workers.realloc import transfer_ranks
 from realrl.workers.rollout_filter import apply_rollout_filter
 from realrl.workers.run_plan import LayoutKey, RunPlan
-from realrl.workers.transport import AsyncClient, Message
+from realrl.workers.transport import AsyncClient
+from realrl.workers.wire import Message
 
 logger = logging.getLogger(__name__)
 

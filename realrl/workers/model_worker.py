@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from realrl.api import environment
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, MFCKind, OffloadHook
 from realrl.api.experiment import ModelKind
@@ -27,7 +28,8 @@ from realrl.workers import checkpointing
 from realrl.workers.realloc import ProcessGroups, transfer_parameters
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import LayoutKey, RunPlan
-from realrl.workers.transport import Message, Server, load_run_secret
+from realrl.workers.transport import Server
+from realrl.workers.wire import Message, load_run_secret
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +170,7 @@ def _layout_fields(data: dict) -> dict:
 
 def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
     """Run one model worker until the master says `exit` (or the supervisor stops us)."""
-    secret = load_run_secret(os.environ.get("REALRL_RUN_DIR"))
+    secret = load_run_secret(os.environ.get(environment.RUN_DIR))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=rendezvous.torch_store("dist"), rank=rank,
                             world_size=world_size)

@@ -38,7 +38,7 @@ from realrl.workers.model_loading import load_engine
 from realrl.workers.model_worker import ModelWorker
 from realrl.workers.realloc import ProcessGroups
 from realrl.workers.run_plan import RunPlan
-from realrl.workers.transport import Message
+from realrl.workers.wire import Message
 
 WORLD = 4
 MAX_GRAD_NORM = 0.05  # small enough that every step clips

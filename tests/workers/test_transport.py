@@ -16,13 +16,11 @@ import pytest
 import torch
 import zmq
 
-from realrl.workers.transport import (
-    RUN_SECRET_ENV_VAR,
-    AsyncClient,
-    Client,
+from realrl.api import environment
+from realrl.workers.transport import AsyncClient, Client, Server
+from realrl.workers.wire import (
     Message,
     RemoteError,
-    Server,
     create_run_secret,
     load_run_secret,
     run_secret_env,
@@ -158,7 +156,7 @@ def test_error_replies_raise_remote_error(echo_worker):
 
 
 def test_hostile_peers_are_dropped_and_the_worker_keeps_serving(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="realrl.workers.transport")
+    caplog.set_level(logging.WARNING, logger="realrl.workers.wire")
     worker = EchoWorker(max_message_bytes=1024**2)
     marker = tmp_path / "unpickled"
 
@@ -235,7 +233,7 @@ def test_hostile_peers_are_dropped_and_the_worker_keeps_serving(tmp_path, caplog
 
 
 def test_warnings_about_one_peer_are_rate_limited(caplog):
-    caplog.set_level(logging.WARNING, logger="realrl.workers.transport")
+    caplog.set_level(logging.WARNING, logger="realrl.workers.wire")
     server = Server("tcp://127.0.0.1:*", SECRET)
     attacker = _connected_dealer(server.bound_address)
     for _ in range(20):
@@ -290,7 +288,7 @@ def test_async_request_times_out_with_a_helpful_error():
 
 
 def test_run_secret_file_is_private_and_loadable(tmp_path, monkeypatch):
-    monkeypatch.delenv(RUN_SECRET_ENV_VAR, raising=False)
+    monkeypatch.delenv(environment.RUN_SECRET, raising=False)
     secret = create_run_secret(tmp_path)
     path = tmp_path / ".secret"
     assert len(secret) == 32
@@ -308,9 +306,9 @@ def test_run_secret_file_is_private_and_loadable(tmp_path, monkeypatch):
 def test_run_secret_from_environment_takes_precedence(tmp_path, monkeypatch):
     file_secret = create_run_secret(tmp_path)
     other_secret = os.urandom(32)
-    monkeypatch.setenv(RUN_SECRET_ENV_VAR, run_secret_env(other_secret)[RUN_SECRET_ENV_VAR])
+    monkeypatch.setenv(environment.RUN_SECRET, run_secret_env(other_secret)[environment.RUN_SECRET])
     assert load_run_secret(tmp_path) == other_secret != file_secret
     assert load_run_secret() == other_secret
-    monkeypatch.setenv(RUN_SECRET_ENV_VAR, "abcd")
+    monkeypatch.setenv(environment.RUN_SECRET, "abcd")
     with pytest.raises(ValueError, match="holds 2 bytes"):
         load_run_secret(Path(tmp_path))

@@ -1,0 +1,12 @@
+"""The environment variables realrl sets for its processes or reads from the user, in one place."""
+
+from __future__ import annotations
+
+# Set by the launchers (local and SLURM) for every process: the run directory.
+RUN_DIR = "REALRL_RUN_DIR"
+# The run's HMAC secret in hex, for processes that cannot read it from the run directory.
+RUN_SECRET = "REALRL_RUN_SECRET"
+# Torch threads of a launched process (the launcher splits the CPU cores between processes).
+NUM_THREADS = "REALRL_NUM_THREADS"
+# Where the built-in default model is built and cached; default ~/.cache/realrl.
+CACHE = "REALRL_CACHE"
