@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import os
 import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -337,14 +338,23 @@ def resolve_config(
     return instance
 
 
+def _may_have_gpus() -> bool:
+    """False only where no NVIDIA or AMD GPU driver is present (or CUDA_VISIBLE_DEVICES hides
+    every GPU), so that CPU machines need not import torch to learn it."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    return any(os.path.exists(path) for path in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd"))
+
+
 def detect_devices_per_node() -> int:
     """`n_devices_per_node=0`: the GPUs of this machine; without GPUs, one single-threaded
     worker per core for up to 2 cores (tiny models gain more from data parallelism across
     processes than from threads), then one worker per 2 cores, at most 4."""
-    import torch
+    if _may_have_gpus():
+        import torch  # ~1.5 s of the launcher's start-up: only where a GPU driver exists
 
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
     cores = usable_cores()
     return cores if cores <= 2 else min(4, cores // 2)
 

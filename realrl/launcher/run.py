@@ -28,7 +28,7 @@ from realrl.launcher.processes import (
     SupervisorInterrupted,
 )
 from realrl.workers.run_plan import RunPlan, base_settings
-from realrl.workers.wire import create_run_secret
+from realrl.workers.run_secret import create_run_secret
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from realrl.launcher.slurm_script import (
     worker_srun,
     write_batch_script,
 )
-from realrl.workers.wire import load_run_secret
+from realrl.workers.run_secret import load_run_secret
 
 logger = logging.getLogger(__name__)
 

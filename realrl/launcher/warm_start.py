@@ -21,7 +21,6 @@ import shutil
 from pathlib import Path
 
 from realrl.api import environment
-from realrl.launcher.defaults import fresh_default_model
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +38,8 @@ def cache_dir() -> Path:
 
 def default_model_path(config, section: str) -> Path:
     if getattr(config, "default_model", "warm") == "fresh":
+        from realrl.launcher.defaults import fresh_default_model  # imports torch
+
         return fresh_default_model(cache_dir() / "default-fresh")
     return ensure_warm_start()
 

@@ -21,8 +21,8 @@ from realrl.workers.master import Master, StepResult
 from realrl.workers.metrics_log import MetricsLogger
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import RunPlan
+from realrl.workers.run_secret import load_run_secret
 from realrl.workers.transport import AsyncClient
-from realrl.workers.wire import load_run_secret
 
 logger = logging.getLogger(__name__)
 

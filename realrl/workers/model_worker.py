@@ -28,8 +28,9 @@ from realrl.workers import checkpointing
 from realrl.workers.realloc import ProcessGroups, transfer_parameters
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import LayoutKey, RunPlan
+from realrl.workers.run_secret import load_run_secret
 from realrl.workers.transport import Server
-from realrl.workers.wire import Message, load_run_secret
+from realrl.workers.wire import Message
 
 logger = logging.getLogger(__name__)
 

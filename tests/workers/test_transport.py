@@ -17,14 +17,9 @@ import torch
 import zmq
 
 from realrl.api import environment
+from realrl.workers.run_secret import create_run_secret, load_run_secret, run_secret_env
 from realrl.workers.transport import AsyncClient, Client, Server
-from realrl.workers.wire import (
-    Message,
-    RemoteError,
-    create_run_secret,
-    load_run_secret,
-    run_secret_env,
-)
+from realrl.workers.wire import Message, RemoteError
 
 logger = logging.getLogger(__name__)
 
