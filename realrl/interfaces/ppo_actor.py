@@ -3,7 +3,7 @@
 One ``train_step`` follows the recipe of Schulman et al. 2017 with the LLM details of
 Ouyang et al. 2022 and the estimator chosen by ``ppo.adv_estimator``:
 
-1. task rewards are shaped (`realrl.interfaces.common.prepare_ppo_batch`), spread over
+1. task rewards are shaped (`realrl.interfaces.ppo_batch.prepare_ppo_batch`), spread over
    tokens with the KL penalty, and turned into advantages, whitened over the data-parallel
    group;
 2. ``num_epochs`` x ``num_minibatches`` optimizer steps, each over a strided mini-batch of
@@ -28,8 +28,6 @@ from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import (
     DistributedMeans,
-    PPOTrainingState,
-    prepare_ppo_batch,
     reduction_device,
     require_engine,
     sampling_config,
@@ -38,6 +36,7 @@ from realrl.interfaces.common import (
     strided_minibatches,
 )
 from realrl.interfaces.configs import PPOActorConfig
+from realrl.interfaces.ppo_batch import PPOTrainingState, prepare_ppo_batch
 from realrl.models.generation import generate
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 (``critic_train``).
 
 The critic computes the same rewards, advantages and returns as the actor from the same
-rollouts (`realrl.interfaces.common.prepare_ppo_batch`), then regresses its values on the
+rollouts (`realrl.interfaces.ppo_batch.prepare_ppo_batch`), then regresses its values on the
 returns with the clipped loss of the PPO2 reference implementation (Engstrom et al. 2020,
 section 3). With ``ppo.value_norm`` the model predicts *normalised* values: `values` from
 ``critic_inf`` are in that space, denormalised before GAE with running statistics that this
@@ -22,9 +22,7 @@ from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import (
-    PPOTrainingState,
     map_microbatches,
-    prepare_ppo_batch,
     reduction_device,
     require_engine,
     require_keys,
@@ -32,6 +30,7 @@ from realrl.interfaces.common import (
     unsupported_call,
 )
 from realrl.interfaces.configs import PPOCriticConfig
+from realrl.interfaces.ppo_batch import PPOTrainingState, prepare_ppo_batch
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from realrl.api.allocation import (
     AllocationError,
     MFCAllocation,
     format_allocation_table,
-    parse_allocation_mode,
     validate_model_divisibility,
 )
+from realrl.api.allocation_mode import parse_allocation_mode
 from realrl.api.config import BaseExperimentConfig, ConfigError
 from realrl.api.dfg import DataflowGraph
 from realrl.api.experiment import ExperimentSpec, ModelKind

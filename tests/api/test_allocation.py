@@ -5,13 +5,12 @@ from realrl.api.allocation import (
     DeviceMesh,
     MFCAllocation,
     ParallelStrategy,
-    default_allocation,
     format_allocation_table,
     format_ranks,
-    parse_allocation_mode,
     parse_ranks,
     validate_model_divisibility,
 )
+from realrl.api.allocation_mode import default_allocation, parse_allocation_mode
 
 MFC_NAMES = ["actor_gen", "ref_inf", "actor_train"]
 

@@ -5,7 +5,7 @@ import torch
 from conftest import build_model, make_engine, rollout_batch
 
 from realrl.api.rl_config import PPOHyperparameters
-from realrl.interfaces.common import PPOTrainingState, prepare_ppo_batch
+from realrl.interfaces.ppo_batch import PPOTrainingState, prepare_ppo_batch
 
 
 def test_remax_advantage_is_reward_minus_the_greedy_reward_of_the_prompt(tokenizer):
