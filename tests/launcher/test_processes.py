@@ -77,12 +77,15 @@ def supervise():
         supervisor.stop(grace_s=0.5)
 
 
-def test_all_processes_succeeding_returns_zero_with_logs_and_prefixed_console(tmp_path):
+def test_all_processes_succeeding_returns_zero_with_logs_and_prefixed_console(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     code = """
         import os, sys
         print("hello from", sys.argv[0] or "child")
         print("threads", os.environ["OMP_NUM_THREADS"], os.environ["MKL_NUM_THREADS"],
-              os.environ["REALRL_NUM_THREADS"])
+              os.environ["REALRL_NUM_THREADS"], os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
         print("a warning on stderr", file=sys.stderr)
     """
     specs = [_spec(tmp_path, "master", code, 1), _spec(tmp_path, "worker 0", code, 2)]
@@ -92,12 +95,12 @@ def test_all_processes_succeeding_returns_zero_with_logs_and_prefixed_console(tm
         assert supervisor.wait(poll_interval_s=0.05) == 0
 
     lines = console.getvalue().splitlines()
-    assert "[master] threads 1 1 1" in lines
-    assert "[worker 0] threads 2 2 2" in lines
+    assert "[master] threads 1 1 1 1" in lines
+    assert "[worker 0] threads 2 2 2 2" in lines
     assert "[worker 0] a warning on stderr" in lines
     assert all(line.startswith(("[master] ", "[worker 0] ")) for line in lines)
     worker_log = (tmp_path / "logs" / "worker 0.log").read_text().splitlines()
-    assert worker_log == ["hello from -c", "threads 2 2 2", "a warning on stderr"]
+    assert worker_log == ["hello from -c", "threads 2 2 2 2", "a warning on stderr"]
 
 
 def test_one_failure_stops_the_others_and_reports_its_last_log_lines(tmp_path, supervise):
