@@ -23,7 +23,8 @@ class GenerationHyperparameters:
     compile: bool = help_field(
         False,
         "torch.compile the decode step: 20-25% faster decoding of small models on CPU, after "
-        "one compile of 5-15 s per model and batch shape (needs a C++ compiler on CPU).",
+        "a compile of 5-15 s and, the first time the batch shape changes, one more with "
+        "dynamic shapes (needs a C++ compiler on CPU).",
     )
 
     def validate(self, prefix: str) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tiny_hf_models import random_packed_batch, save_hf
@@ -259,6 +261,13 @@ def test_compiled_decode_step_matches_the_eager_one(models, prompts):
         torch.Generator().manual_seed(4),
     )  # same rows, so no second compile
     assert (sampled.packed_logprobs - forward_logprobs(model, sampled)).abs().max() <= 1e-5
+    # Another batch shape (three prompts): one recompile with dynamic shapes, same tokens.
+    packed, cu_seqlens = prompts
+    fewer = (packed[: int(cu_seqlens[3])], cu_seqlens[:4])
+    greedy = GenerationConfig(greedy=True, max_new_tokens=12)
+    expected = generate(model, *fewer, greedy, torch.Generator())
+    recompiled = generate(model, *fewer, dataclasses.replace(greedy, compile=True), torch.Generator())
+    assert torch.equal(recompiled.packed_input_ids, expected.packed_input_ids)
     assert model.compiled_decode_step is not None
 
 
