@@ -239,9 +239,18 @@ def _decode_function(model: Transformer, compile_step: bool):
         return functools.partial(_decode_step, model)
     compiled = getattr(model, "compiled_decode_step", None)
     if compiled is None:
-        compiled = torch.compile(
-            functools.partial(_decode_step, model), fullgraph=True, dynamic=None
-        )
+        step = torch.compile(functools.partial(_decode_step, model), fullgraph=True, dynamic=None)
+
+        def compiled(*args):
+            try:
+                return step(*args)
+            except torch._dynamo.exc.BackendCompilerFailed as error:  # e.g. no C++ compiler
+                raise RuntimeError(
+                    f"gen.compile=true: torch.compile could not build the decode step ({error}); "
+                    "install a working C++ compiler (g++ or clang; set $CXX to choose one) or "
+                    "set gen.compile=false"
+                ) from error
+
         model.compiled_decode_step = compiled
     return compiled
 

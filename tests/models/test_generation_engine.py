@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,3 +288,34 @@ def test_transposed_weights_give_the_same_outputs_and_are_dropped_on_exit(models
             transposed = model(packed, cu_seqlens)
     assert (transposed - expected).abs().max() <= 1e-5
     assert all(getattr(m, "weight_t", None) is None for m in model.modules())
+
+
+def test_compiled_decode_without_a_cpp_compiler_says_what_to_do(tmp_path):
+    # A fresh process with no working C++ compiler and an empty inductor cache (so nothing
+    # compiled earlier is reused): the error names the key and both fixes.
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from tiny_hf_models import save_hf
+        from realrl.models.checkpoint import load_pretrained
+        from realrl.models.generation import GenerationConfig, generate
+
+        save_hf({str(tmp_path / "model")!r}, "qwen2", eos_token_id=3)
+        model = load_pretrained({str(tmp_path / "model")!r})
+        prompts, cu_seqlens = torch.tensor([5, 6, 7, 8]), torch.tensor([0, 2, 4], dtype=torch.int32)
+        config = GenerationConfig(max_new_tokens=4, compile=True)
+        generate(model, prompts, cu_seqlens, config, torch.Generator().manual_seed(0))
+        """
+    )
+    env = {
+        **os.environ,
+        "CXX": str(tmp_path / "no-such-compiler"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode != 0
+    assert "gen.compile=true: torch.compile could not build the decode step" in result.stderr
+    assert "set gen.compile=false" in result.stderr
