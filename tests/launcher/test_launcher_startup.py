@@ -43,3 +43,17 @@ def test_launching_a_run_imports_neither_torch_nor_transformers(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "imported: []" in result.stdout, result.stdout + result.stderr
     assert (tmp_path / "ppo-math").is_dir()  # the run directory was prepared
+    # The launch plan is built once: its auto allocation is logged once.
+    assert result.stderr.count("allocation_mode=auto") == 1, result.stderr
+
+
+def test_gpus_are_probed_only_where_a_driver_or_visible_device_may_exist(monkeypatch):
+    from realrl.api import config
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not config._may_have_gpus()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(config.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    assert config._may_have_gpus()
+    monkeypatch.setattr(config.os.path, "exists", lambda path: False)
+    assert not config._may_have_gpus()

@@ -16,35 +16,19 @@ from realrl.models.tensor_parallel import (
 )
 from realrl.models.transformer import Transformer
 
+# Shapes every tensor-parallel size here divides (heads, kv heads, vocab, intermediate).
+SHAPE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 CONFIGS = {
-    "qwen2_untied": ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        qkv_bias=True,
-        model_type="qwen2",
-    ),
-    "llama_tied": ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "critic": ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        is_critic=True,
-    ),
+    "qwen2_untied": ModelConfig(**SHAPE, qkv_bias=True, model_type="qwen2"),
+    "llama_tied": ModelConfig(**SHAPE, tie_word_embeddings=True),
+    "critic": ModelConfig(**SHAPE, is_critic=True),
 }
 
 
