@@ -9,6 +9,10 @@ temperature 1. Systems:
   GRPO with `beta=0`), run through the real CLI in a fresh process tree;
 - `realrl-grpo-compiled`: the same with `gen.compile=true` (compiled decode step; the
   compile happens in the warm-up step, which is dropped);
+- `realrl-grpo-pipelined`: compiled decode and `pipeline_rollout=true` on two model workers
+  (one thread each): the rollout of step i+1 (generation, reward) runs on worker 0 while
+  step i trains on worker 1, so rollouts are one train step off-policy (AReaL-style). Not the
+  same algorithm as the others: compare it as the asynchronous option it is;
 - `realrl-ppo`: full PPO (actor, critic, reference, rule reward; GAE, KL in the reward);
 - `loop`: `baseline_loop.py`, one process, transformers `generate` + one forward/backward;
 - `trl`: `trl_grpo.py`, TRL's `GRPOTrainer` (skipped when `trl` is not importable).
@@ -61,10 +65,18 @@ from bench_setup import (  # noqa: E402
 logger = logging.getLogger("bench_rl_step")
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-ALL_SYSTEMS = ("realrl-grpo", "realrl-grpo-compiled", "loop", "trl", "realrl-ppo")
-REALRL_GRPO = ("realrl-grpo", "realrl-grpo-compiled")
 GRPO_OVERRIDES = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"]
 PPO_OVERRIDES = ["ppo.adv_estimator=gae", "ppo.kl_ctl=0.1"]
+# Each realrl system's overrides; they come last on the command line, so they win.
+REALRL_SYSTEMS = {
+    "realrl-grpo": GRPO_OVERRIDES,
+    "realrl-grpo-compiled": [*GRPO_OVERRIDES, "gen.compile=true"],
+    "realrl-grpo-pipelined": [*GRPO_OVERRIDES, "gen.compile=true", "pipeline_rollout=true",
+                              "n_devices_per_node=2"],
+    "realrl-ppo": PPO_OVERRIDES,
+}
+REALRL_GRPO = ("realrl-grpo", "realrl-grpo-compiled", "realrl-grpo-pipelined")
+ALL_SYSTEMS = (*REALRL_GRPO, "loop", "trl", "realrl-ppo")
 INFERENCE_MFCS = ("rew_inf", "ref_inf", "critic_inf")
 TRAIN_MFCS = ("actor_train", "critic_train")
 
@@ -93,12 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def realrl_command(args, system: str, mode: str, dtype: str, run_root: Path, trial: str):
-    overrides = GRPO_OVERRIDES if system in REALRL_GRPO else PPO_OVERRIDES
-    if system.endswith("-compiled"):
-        overrides = [*overrides, "gen.compile=true"]
     roles = ["actor"] if system in REALRL_GRPO else ["actor", "critic", "ref"]
     return [
-        sys.executable, "-m", "realrl.apps.quickstart", "ppo-math", *overrides,
+        sys.executable, "-m", "realrl.apps.quickstart", "ppo-math",
         f"actor.path={args.model_dir}", f"dataset.path={args.prompt_file}",
         f"dataset.batch_size={args.batch_size}", f"group_size={args.group_size}",
         f"gen.max_new_tokens={args.max_new_tokens}",
@@ -107,6 +116,7 @@ def realrl_command(args, system: str, mode: str, dtype: str, run_root: Path, tri
         "actor.optimizer.lr=1e-4", f"n_devices_per_node={args.realrl_workers}",
         f"total_train_steps={args.steps}", "wandb.mode=disabled", "tensorboard=false",
         f"output_root={run_root}", f"experiment_name={system}", f"trial_name={trial}",
+        *REALRL_SYSTEMS[system],
     ]
 
 

@@ -7,6 +7,7 @@ Everything a run needs is decided here, in the launcher process, before any proc
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from realrl.api.allocation_mode import parse_allocation_mode
 from realrl.api.config import BaseExperimentConfig, ConfigError
 from realrl.api.dfg import DataflowGraph
 from realrl.api.experiment import ExperimentSpec, ModelKind
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,13 +77,61 @@ def _model_shape(path: str) -> dict | None:
     }
 
 
+def pipeline_problems(graph: DataflowGraph, allocations: dict[str, MFCAllocation]) -> list[str]:
+    """What keeps `pipeline_rollout=true` from overlapping the rollout with training."""
+    train = [name for name in graph.order if graph.mfcs[name].is_train]
+    rollout = [name for name in graph.order if not graph.mfcs[name].is_train]
+    if not train or not rollout:
+        return ["`pipeline_rollout=true` overlaps the rollout MFCs with the train MFCs, but this "
+                "graph has " + ("no train MFC" if not train else "only train MFCs")
+                + "; set pipeline_rollout=false."]
+    problems = []
+    trained_keys = {key for name in train for key in graph.mfcs[name].output_keys}
+    for name in rollout:
+        needs = sorted(trained_keys & set(graph.mfcs[name].input_keys))
+        if needs:
+            problems.append(f"`pipeline_rollout=true`: MFC `{name}` reads {needs} from a train "
+                            "MFC, so it cannot run a step ahead; set pipeline_rollout=false.")
+    train_ranks = {rank for name in train for rank in allocations[name].mesh.ranks}
+    rollout_ranks = {rank for name in rollout for rank in allocations[name].mesh.ranks}
+    shared = sorted(train_ranks & rollout_ranks)
+    if shared:
+        n_workers = len(train_ranks | rollout_ranks)
+        fix = (f"`allocation_mode='{split_allocation_mode(train, n_workers)}'`" if n_workers > 1
+               else f"`n_devices_per_node=2 allocation_mode='{split_allocation_mode(train, 2)}'`")
+        problems.append(
+            f"`pipeline_rollout=true` overlaps the rollout MFCs ({', '.join(rollout)}) with the "
+            f"train MFCs ({', '.join(train)}), but both run on rank(s) {shared}, where they would "
+            f"take turns. Put them on different workers, e.g. {fix} (or allocation_mode=auto, "
+            "which does this with pipeline_rollout=true)."
+        )
+    return problems
+
+
+def split_allocation_mode(train: list[str], n_workers: int) -> str:
+    """An allocation_mode string with the train MFCs data parallel on the second half of the
+    workers and every other MFC on the first half (the rounded-up half)."""
+    first = (n_workers + 1) // 2
+
+    def mesh(start: int, stop: int) -> str:
+        return f"d{stop - start}@{start}" + (f"-{stop - 1}" if stop - start > 1 else "")
+
+    return ",".join([f"{name}:{mesh(first, n_workers)}" for name in train]
+                    + [f"*:{mesh(0, first)}"])
+
+
 def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     spec = config.build()
     graph = spec.graph()
     problems: list[str] = []
+    mode = config.allocation_mode
+    if config.pipeline_rollout and mode.strip() == "auto" and config.n_workers > 1:
+        mode = split_allocation_mode([n for n in graph.order if graph.mfcs[n].is_train],
+                                     config.n_workers)
+        logger.info("allocation_mode=auto with pipeline_rollout=true: %s", mode)
     try:
         allocations = parse_allocation_mode(
-            config.allocation_mode, list(graph.mfcs), config.n_nodes, config.n_devices_per_node
+            mode, list(graph.mfcs), config.n_nodes, config.n_devices_per_node
         )
     except AllocationError as exc:
         raise ConfigError([f"`allocation_mode={config.allocation_mode}`: {exc}"]) from None
@@ -98,6 +149,8 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
         shape = _model_shape(model.config.path)
         if shape is not None:
             problems += validate_model_divisibility(allocation, **shape)
+    if config.pipeline_rollout:
+        problems += pipeline_problems(graph, allocations)
     if problems:
         raise ConfigError(problems)
     workers = []

@@ -7,6 +7,10 @@ master: brings the call's layout up to the role's newest weights (parameter real
 splits the batch over the call's data-parallel ranks by tokens, sends one request to every rank
 of the mesh, merges the output keys of the replies back into the step's batch, and runs the
 post-hooks (the EMA reference update).
+
+With `pipeline_rollout=true` a step is split in two halves, the rollout (every MFC but the train
+ones) and the training, and the master loop runs step i+1's rollout while step i trains
+(`realrl.workers.master_main`), so rollouts are generated with weights one train step old.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from realrl.api.data import SequenceSample
-from realrl.api.dfg import MFCDef, ParamReallocHook
+from realrl.api.dfg import MFCDef, MFCKind, ParamReallocHook
 from realrl.api.experiment import ModelKind
 from realrl.workers.realloc import transfer_ranks
 from realrl.workers.rollout_filter import apply_rollout_filter
@@ -42,6 +46,8 @@ class StepResult:
     stats: dict[str, float] = field(default_factory=dict)
     timing: dict[str, float] = field(default_factory=dict)  # seconds per MFC and transfer
     compute: dict[str, float] = field(default_factory=dict)  # worker-side seconds per MFC
+    generated_by: dict[str, int] = field(default_factory=dict)  # role -> weights version
+    trained: set[str] = field(default_factory=set)  # names of the train MFCs that ran
 
 
 class Master:
@@ -56,17 +62,43 @@ class Master:
 
     async def run_step(self, batch: SequenceSample,
                        more_prompts: Callable[[], SequenceSample] | None = None) -> StepResult:
-        """Run the graph on `batch`. With a rollout filter, the rollout MFCs run first (again on
-        `more_prompts()` when dynamic sampling dropped too many prompts), then the rest."""
+        """Run the whole graph on `batch` (see `_run_part` for the rollout filter)."""
+        return await self._run_part([mfc.name for mfc in self.plan.mfcs], batch, more_prompts)
+
+    async def run_rollout(self, batch: SequenceSample,
+                          more_prompts: Callable[[], SequenceSample] | None = None) -> StepResult:
+        """The first half of a pipelined step: every MFC except the train ones."""
+        return await self._run_part(self.plan.rollout_mfcs(), batch, more_prompts)
+
+    async def run_training(self, result: StepResult) -> None:
+        """The second half of a pipelined step: the train MFCs, on a finished rollout."""
+        await self._run_mfcs(self.plan.train_mfcs(), result)
+
+    async def refresh(self, names: list[str], result: StepResult) -> None:
+        """Bring the layouts of `names` to their roles' newest weights now.
+
+        A pipelined run calls this while the train ranks are idle, so that the next rollout
+        does not queue its refresh behind the next train call on the per-rank locks.
+        """
+        for mfc in self.plan.mfcs:
+            if mfc.name in names and self._is_stale(mfc):
+                owner, layout = self.plan.owner_layout(mfc.model_role), self.plan.layout_of(mfc.name)
+                async with self._locked(sorted(set(transfer_ranks(owner, layout)))):
+                    await self._refresh_layout(mfc, result)
+
+    async def _run_part(self, names: list[str], batch: SequenceSample,
+                        more_prompts: Callable[[], SequenceSample] | None) -> StepResult:
+        """Run `names` on `batch`. With a rollout filter, the filter's MFC and its ancestors run
+        first (again on `more_prompts()` when dynamic sampling dropped too many prompts), then
+        the rest of `names`."""
         rollout_filter = self.plan.rollout_filter
         if rollout_filter is None:
             result = StepResult(data=batch)
-            await self._run_mfcs([mfc.name for mfc in self.plan.mfcs], result)
+            await self._run_mfcs(names, result)
             return result
         rollout = self._ancestors_and_self(rollout_filter.after_mfc)
         result = await self._rollout(batch, rollout, rollout_filter, more_prompts)
-        rest = [mfc.name for mfc in self.plan.mfcs if mfc.name not in rollout]
-        await self._run_mfcs(rest, result)
+        await self._run_mfcs([name for name in names if name not in rollout], result)
         return result
 
     async def _rollout(self, batch, names, rollout_filter, more_prompts) -> StepResult:
@@ -135,11 +167,24 @@ class Master:
         return {mfc.name: sorted({producers[k] for k in mfc.input_keys if k in producers})
                 for mfc in self.plan.mfcs}
 
+    def _is_stale(self, mfc: MFCDef) -> bool:
+        """Whether `mfc`'s layout holds older weights than its role's newest."""
+        if self.plan.models[mfc.model_role].kind == ModelKind.rule:
+            return False
+        layout = self.plan.layout_of(mfc.name)
+        return self.layout_version[layout] < self.role_version[mfc.model_role]
+
+    async def _refresh_layout(self, mfc: MFCDef, result: StepResult) -> None:
+        """Parameter reallocation owner -> `mfc`'s layout; the caller holds both sides' locks."""
+        layout = self.plan.layout_of(mfc.name)
+        await self._transfer(self.plan.owner_layout(mfc.model_role), layout, 1.0, result,
+                             f"realloc/{mfc.name}")
+        self.layout_version[layout] = self.role_version[mfc.model_role]
+
     async def _run_mfc(self, mfc: MFCDef, result: StepResult) -> None:
         allocation = self.plan.allocations[mfc.name]
         layout = self.plan.layout_of(mfc.name)
-        has_weights = self.plan.models[mfc.model_role].kind != ModelKind.rule
-        refresh = has_weights and self.layout_version[layout] < self.role_version[mfc.model_role]
+        refresh = self._is_stale(mfc)
         owner = self.plan.owner_layout(mfc.model_role)
         hooks = [hook for hook in mfc.post_hooks if isinstance(hook, ParamReallocHook)]
         ranks = set(allocation.mesh.ranks)
@@ -150,16 +195,26 @@ class Master:
                                         self.plan.owner_layout(hook.target_role)))
         async with self._locked(sorted(ranks)):
             if refresh:
-                await self._transfer(owner, layout, 1.0, result, f"realloc/{mfc.name}")
-                self.layout_version[layout] = self.role_version[mfc.model_role]
+                await self._refresh_layout(mfc, result)
+            self._record_policy_lag(mfc, result)
             started = time.perf_counter()
             await self._dispatch(mfc, result)
             result.timing[mfc.name] = time.perf_counter() - started
             if mfc.is_train:
+                result.trained.add(mfc.name)
                 self.role_version[mfc.model_role] += 1
                 self.layout_version[owner] = self.role_version[mfc.model_role]
             for hook in hooks:
                 await self._run_ema_hook(hook, result, mfc.name)
+
+    def _record_policy_lag(self, mfc: MFCDef, result: StepResult) -> None:
+        """Remember which weights generated the batch; a train call of the same role reports how
+        many train steps older they are than its own (0 in a synchronous run, 1 pipelined)."""
+        if mfc.kind == MFCKind.generate:
+            result.generated_by[mfc.model_role] = self.layout_version[self.plan.layout_of(mfc.name)]
+        elif mfc.is_train and mfc.model_role in result.generated_by:
+            lag = self.role_version[mfc.model_role] - result.generated_by[mfc.model_role]
+            result.stats[f"{mfc.name}/policy_lag"] = float(lag)
 
     async def _run_ema_hook(self, hook: ParamReallocHook, result: StepResult, mfc_name: str):
         source = self.plan.owner_layout(hook.source_role)

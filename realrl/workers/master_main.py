@@ -8,8 +8,10 @@ position), and recovery from the last complete checkpoint with `recover_mode=aut
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from realrl.api.config import RecoverMode
@@ -27,13 +29,21 @@ from realrl.workers.transport import AsyncClient
 logger = logging.getLogger(__name__)
 
 
-def step_metrics(result: StepResult, step_seconds: float) -> dict[str, float]:
+def step_metrics(result: StepResult, step_seconds: float,
+                 rollout_wait_s: float | None = None) -> dict[str, float]:
+    """A step's metrics. `rollout_wait_s`: pipelined runs only, how long the step waited for
+    its rollout, which ran while the previous step trained; the step's compute is then that
+    wait plus its train calls, and the rollout's own compute (overlapped) is not counted."""
     metrics = dict(result.stats)
     if "rew_inf/task_mean" in metrics:
         metrics["reward/task_mean"] = metrics["rew_inf/task_mean"]
     for name, seconds in result.timing.items():
         metrics[f"timing/{name}"] = seconds
     compute = sum(result.compute.values())
+    if rollout_wait_s is not None:
+        train = sum(seconds for name, seconds in result.compute.items() if name in result.trained)
+        compute = rollout_wait_s + train
+        metrics["timing/rollout_wait_s"] = rollout_wait_s
     metrics["timing/step_s"] = step_seconds
     metrics["perf/compute_s"] = compute
     metrics["perf/overhead_fraction"] = max(0.0, 1.0 - compute / max(step_seconds, 1e-9))
@@ -61,20 +71,66 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) ->
             first_step = await recovery.restore(master, data, checkpoint, plan)
             logger.info("resumed from %s at step %d", checkpoint, first_step)
     metrics_logger = MetricsLogger(run_dir, plan.base, first_step)
-    save_every = plan.base.save_freq_steps
+
+    async def end_of_step(step: int, result: StepResult, seconds: float,
+                          rollout_wait_s: float | None = None) -> None:
+        metrics_logger.log(step + 1, step_metrics(result, seconds, rollout_wait_s))
+        if saves_after(plan.base, step + 1):
+            await recovery.save(master, data, run_dir, step + 1)
+
+    steps = range(first_step, plan.base.total_train_steps)
     try:
-        for step in range(first_step, plan.base.total_train_steps):
-            started = time.perf_counter()
-            result = await master.run_step(data.next_batch(), more_prompts=data.next_batch)
-            metrics_logger.log(step + 1, step_metrics(result, time.perf_counter() - started))
-            last = step + 1 == plan.base.total_train_steps
-            if last or (save_every and (step + 1) % save_every == 0):
-                await recovery.save(master, data, run_dir, step + 1)
+        if plan.base.pipeline_rollout:
+            await _pipelined_steps(master, data, steps, end_of_step)
+        else:
+            for step in steps:
+                started = time.perf_counter()
+                result = await master.run_step(data.next_batch(), more_prompts=data.next_batch)
+                await end_of_step(step, result, time.perf_counter() - started)
     finally:
         metrics_logger.finish()
     await master.broadcast("exit", {})
     for client in clients.values():
         client.close()
+
+
+def saves_after(base, steps_done: int) -> bool:
+    """Whether a checkpoint is written after `steps_done` steps (always after the last)."""
+    every = base.save_freq_steps
+    return steps_done == base.total_train_steps or bool(every and steps_done % every == 0)
+
+
+async def _pipelined_steps(master: Master, data: DataSource, steps: range,
+                           end_of_step: Callable[..., Awaitable[None]]) -> None:
+    """`pipeline_rollout=true`: step i+1's rollout runs while step i trains.
+
+    Each step waits for its rollout, brings the rollout layouts up to the newest weights while
+    the train ranks are idle, then trains while the next rollout runs on the weights it just
+    received: one train step old. No rollout runs ahead of a checkpoint, so the data position
+    a checkpoint records is exact and a resumed run goes on from there.
+    """
+    def start_rollout() -> asyncio.Task:
+        return asyncio.create_task(master.run_rollout(data.next_batch(), data.next_batch))
+
+    pending: asyncio.Task | None = start_rollout() if steps else None
+    try:
+        for step in steps:
+            started = time.perf_counter()
+            assert pending is not None
+            result = await pending
+            rollout_wait_s = time.perf_counter() - started
+            await master.refresh(master.plan.rollout_mfcs(), result)
+            ahead = step + 1 < steps.stop and not saves_after(master.plan.base, step + 1)
+            pending = start_rollout() if ahead else None
+            await master.run_training(result)
+            await end_of_step(step, result, time.perf_counter() - started, rollout_wait_s)
+            if pending is None and step + 1 < steps.stop:
+                pending = start_rollout()
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pending
 
 
 def run_master(run_dir: Path, rendezvous: Rendezvous, world_size: int) -> int:

@@ -92,6 +92,13 @@ class RunPlan:
             pairs.add((self.owner_layout(hook.source_role), self.owner_layout(hook.target_role)))
         return sorted(pairs)
 
+    def train_mfcs(self) -> list[str]:
+        return [m.name for m in self.mfcs if m.is_train]
+
+    def rollout_mfcs(self) -> list[str]:
+        """Every MFC but the train ones: what `pipeline_rollout` runs one step ahead."""
+        return [m.name for m in self.mfcs if not m.is_train]
+
     def _has_weights(self, mfc: MFCDef) -> bool:
         return self.models[mfc.model_role].kind != ModelKind.rule
 
