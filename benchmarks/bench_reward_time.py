@@ -8,6 +8,8 @@ several seeds, and we compare how fast each one's task reward climbs:
 - `realrl`: `python -m realrl.apps.quickstart ppo-math ppo.disable_value=true
   ppo.adv_estimator=grpo ppo.kl_ctl=0 ppo.adv_norm=false ...`, its default 2 single-threaded
   model workers, stopped with SIGTERM when the budget is used;
+- `realrl-pipelined` (opt-in): the same with `pipeline_rollout=true`: worker 0 generates step
+  i+1's rollout while worker 1 trains step i, so rollouts are one train step off-policy;
 - `loop`: `run_loop` below, one process with 2 torch threads: transformers `generate` (left
   padding, KV cache, sampling) for the rollouts, one padded forward/backward, one AdamW step;
 - `loop-passive` (opt-in): the same loop with `OMP_WAIT_POLICY=PASSIVE`, the setting realrl's
@@ -53,7 +55,7 @@ from baseline_loop import group_advantages, response_mask  # noqa: E402
 logger = logging.getLogger("bench_reward_time")
 BENCH_FILE = Path(__file__).resolve()
 REPO_ROOT = BENCH_FILE.parents[1]
-SYSTEMS = ("realrl", "loop", "loop-passive")
+SYSTEMS = ("realrl", "realrl-pipelined", "loop", "loop-passive")
 RECIPE = {"batch_size": 16, "group_size": 8, "max_new_tokens": 8, "lr": 2e-4, "train_size": 256}
 GRPO_OVERRIDES = [
     "ppo.disable_value=true",
@@ -284,13 +286,15 @@ def watch_run(
     }
 
 
-def realrl_command(args, seed: int, model: Path, run_root: Path) -> list[str]:
+def realrl_command(args, system: str, seed: int, model: Path, run_root: Path) -> list[str]:
+    pipelined = ["pipeline_rollout=true"] if system == "realrl-pipelined" else []
     return [
         sys.executable,
         "-m",
         "realrl.apps.quickstart",
         "ppo-math",
         *GRPO_OVERRIDES,
+        *pipelined,
         f"seed={seed}",
         "total_train_steps=1000000",
         "wandb.mode=disabled",
@@ -311,7 +315,7 @@ def realrl_command(args, seed: int, model: Path, run_root: Path) -> list[str]:
         "ppo.num_epochs=1",
         f"output_root={run_root}",
         "experiment_name=reward-time",
-        f"trial_name=seed{seed}",
+        f"trial_name={system}-seed{seed}",
     ]
 
 
@@ -336,10 +340,10 @@ def run_system(args, system: str, seed: int, model: Path) -> dict:
     work_dir: Path = args.work_dir
     log_path = work_dir / "logs" / f"{system}-seed{seed}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    if system == "realrl":
-        run_dir = work_dir / "runs" / "reward-time" / f"seed{seed}"
+    if system.startswith("realrl"):
+        run_dir = work_dir / "runs" / "reward-time" / f"{system}-seed{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        command = realrl_command(args, seed, model, work_dir / "runs")
+        command = realrl_command(args, system, seed, model, work_dir / "runs")
         metrics_path, env = run_dir / "metrics.jsonl", dict(os.environ)
         env.pop("OMP_WAIT_POLICY", None)  # realrl's launcher picks its own (PASSIVE)
     else:
@@ -473,7 +477,8 @@ def plot_curves(runs: list[dict], window: int, thresholds: list[float], path: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"realrl": "tab:blue", "loop": "tab:orange", "loop-passive": "tab:green"}
+    colours = {"realrl": "tab:blue", "realrl-pipelined": "tab:purple", "loop": "tab:orange",
+               "loop-passive": "tab:green"}
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for run in runs:
         averages = moving_average([step["reward"] for step in run["steps"]], window)
@@ -517,8 +522,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--systems",
         default="realrl,loop",
-        help="Any of realrl, loop, loop-passive (the loop with "
-        "OMP_WAIT_POLICY=PASSIVE, which realrl's launcher gives its workers).",
+        help="Any of realrl, realrl-pipelined (pipeline_rollout=true: generation on one "
+        "worker, training on the other, one step off-policy), loop, loop-passive (the loop "
+        "with OMP_WAIT_POLICY=PASSIVE, which realrl's launcher gives its workers).",
     )
     parser.add_argument(
         "--budget-s",

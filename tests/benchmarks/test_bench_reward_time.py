@@ -45,15 +45,20 @@ def test_realrl_command_sets_the_loops_recipe_in_a_valid_config():
     from realrl.api.config import resolve_config
     from realrl.experiments.ppo_math import PPOMathConfig
 
-    command = bench.realrl_command(None, seed=3, model=DEFAULT_ACTOR, run_root=Path("/tmp/x"))
+    command = bench.realrl_command(None, "realrl", seed=3, model=DEFAULT_ACTOR,
+                                   run_root=Path("/tmp/x"))
     assert command[1:4] == ["-m", "realrl.apps.quickstart", "ppo-math"]
     config = resolve_config(PPOMathConfig, command[4:])
+    assert not config.pipeline_rollout and config.trial_name == "realrl-seed3"
     assert (config.dataset.batch_size, config.group_size, config.gen.max_new_tokens) == (16, 8, 8)
     assert (config.actor.optimizer.lr, config.actor.optimizer.weight_decay) == (2e-4, 0.0)
     assert config.ppo.adv_estimator == "grpo" and config.ppo.disable_value
     assert config.ppo.kl_ctl == 0 and not config.ppo.adv_norm  # group-normalised only, no KL
     assert (config.gen.temperature, config.gen.top_k, config.gen.top_p) == (1.0, 0, 1.0)
     assert config.seed == 3 and config.dataset.builtin_train_size == 256
+    pipelined = bench.realrl_command(None, "realrl-pipelined", seed=3, model=DEFAULT_ACTOR,
+                                     run_root=Path("/tmp/x"))
+    assert resolve_config(PPOMathConfig, pipelined[4:]).pipeline_rollout
 
 
 def test_decode_completions_stop_at_the_first_eos():
