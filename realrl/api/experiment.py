@@ -65,6 +65,11 @@ class ModelRoleConfig:
         "memory between calls; nothing to free on CPU)."
     )
     optimizer: OptimizerConfig = help_field(OptimizerConfig(), "Optimizer (trained roles only).")
+    compile: bool = help_field(
+        False, "torch.compile the transformer blocks of this role's training and inference "
+        "forwards (not the decode step: see gen.compile). TODO numbers. "
+        "Ignored with tensor parallelism; needs a C++ compiler on CPU."
+    )
 
 
 @dataclass
