@@ -130,7 +130,9 @@ class CompiledBlocks:
                 attention.num_heads,
                 attention.num_kv_heads,
             )
-            attended = attend(block.layer_index, query, key, value)
+            # Contiguous (a no-op for every kernel but `block_diagonal`): a new stride pattern
+            # from another attention kernel would otherwise recompile.
+            attended = attend(block.layer_index, query, key, value).contiguous()
             torch._dynamo.mark_dynamic(attended, 0)
             return self.after_attention(
                 hidden,
@@ -151,3 +153,8 @@ def enable_compiled_blocks(model: Transformer, key: str) -> None:
             f"{key}=true: compiled blocks need tensor-parallel size 1, got {model.tp_size}"
         )
     model.compiled_blocks = CompiledBlocks(key)
+    logger.info(
+        "%s=true: transformer blocks run compiled; the first training and inference forwards "
+        "compile them (seconds each)",
+        key,
+    )

@@ -66,7 +66,9 @@ def load_engine(
         else:
             logger.warning(
                 "%s.compile=true is ignored: compiled blocks need tensor-parallel size 1, this "
-                "layout has %d; the model runs eager", spec.role, parallel.tp_size
+                "layout has %d; the model runs eager",
+                spec.role,
+                parallel.tp_size,
             )
     tokenizer = load_tokenizer(spec.config.path)
     return TorchEngine(

@@ -11,8 +11,12 @@ def test_role_compile_key_reaches_the_loaded_module_of_that_role_only(tmp_path):
     model_path = fresh_default_model(tmp_path / "model")
     config = resolve_config(
         PPOMathConfig,
-        [f"actor.path={model_path}", f"ref.path={model_path}", "actor.compile=true",
-         "ppo.kl_ctl=0.1"],
+        [
+            f"actor.path={model_path}",
+            f"ref.path={model_path}",
+            "actor.compile=true",
+            "ppo.kl_ctl=0.1",
+        ],
     )
     models = config.build().models
     actor = load_engine(models["actor"], ParallelContext(), True, 1, seed=0)
