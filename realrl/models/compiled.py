@@ -15,15 +15,21 @@ one compiled graph. The token dimension is marked dynamic on every call, so the 
 compiles a graph that serves every packed batch; nothing recompiles later. Dynamo does guard
 on grad mode and on whether the weights require grad, so a process compiles each part once
 per use: training (forward + backward), no-grad inference of a trained model (e.g. the
-prefill before generation), and inference of a frozen model; each compile takes seconds.
-The graphs live on the code objects of the two functions, so models of the same shape in one
-process share them.
+prefill before generation), and inference of a frozen model (and again per dtype); each
+compile takes seconds. The graphs live on the code objects of the two functions, so models of
+the same shape in one process (actor, critic, ref on one worker) share them, and a process
+stays far below dynamo's limit of 8 graphs per function (past it, dynamo would fall back to
+eager with a warning in the log).
 
-Measured (benchmark model of `benchmarks/bench_setup.py`, 32 x 40 tokens, forward +
-backward): see `realrl.api.experiment.ModelRoleConfig.compile`.
+Measured with `benchmarks/bench_train_compile.py` (the 4M-parameter benchmark model, 32 x 40
+tokens, fp32, 2-core CPU): forward + backward 0.45 -> 0.39 s on one thread and 0.25 -> 0.22 s
+on two (1.15-1.18x), a no-grad forward 1.12-1.16x; the first forward + backward compiles for
+~4-6 s (28 s with a cold inductor cache). What is left is ~75% matmuls, which inductor leaves
+to the same aten kernels, and attention; see benchmarks/README.md.
 
 Tensor-parallel models are not compiled: their linear layers communicate through autograd
-functions that dynamo would have to trace; `enable_compiled_blocks` refuses them.
+functions that dynamo would have to trace. `enable_compiled_blocks` refuses them, and
+`realrl.workers.model_loading` leaves such a shard eager with a warning.
 """
 
 from __future__ import annotations
