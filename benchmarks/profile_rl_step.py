@@ -7,6 +7,8 @@ torch.profiler see only the model work of ``actor_gen``, ``ref_inf`` and ``actor
     .venv/bin/python benchmarks/profile_rl_step.py --steps 4             # timings only
     .venv/bin/python benchmarks/profile_rl_step.py --profile cprofile     # + top functions
     .venv/bin/python benchmarks/profile_rl_step.py --profile torch        # + top torch ops
+    .venv/bin/python benchmarks/profile_rl_step.py --compile              # actor.compile=true
+                                                                          # and ref.compile=true
 
 Rewards are random 0/1 per sequence (fixed seed): the reward MFC is not under test here.
 """
@@ -36,6 +38,7 @@ from realrl.interfaces.configs import PPOActorConfig  # noqa: E402
 from realrl.interfaces.ppo_actor import PPOActorInterface  # noqa: E402
 from realrl.interfaces.reference import ReferenceInterface  # noqa: E402
 from realrl.models.checkpoint import load_pretrained  # noqa: E402
+from realrl.models.compiled import enable_compiled_blocks  # noqa: E402
 from realrl.models.tokenizer import load_tokenizer  # noqa: E402
 
 logger = logging.getLogger("profile_rl_step")
@@ -53,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--profile", choices=["none", "cprofile", "torch"], default="none")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="Compiled blocks for the actor and reference (actor.compile=true, ref.compile=true); "
+        "the compiles happen in the warm-up step.",
+    )
     return parser.parse_args(argv)
 
 
@@ -90,6 +99,9 @@ class ActorStep:
         self.reference = TorchEngine(
             load_pretrained(model_dir, dtype=dtype), self.tokenizer, ParallelContext()
         )
+        if args.compile:
+            enable_compiled_blocks(self.actor.module, "actor.compile")
+            enable_compiled_blocks(self.reference.module, "ref.compile")
         generation = GenerationHyperparameters(
             max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens
         )
@@ -138,7 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     step = ActorStep(args)
-    step.run(0)  # warm-up
+    started = time.perf_counter()
+    step.run(0)  # warm-up (and, with --compile, the compiles)
+    logger.info("warm-up step %.1f wall s", time.perf_counter() - started)
     profiler = None
     if args.profile == "cprofile":
         profiler = cProfile.Profile()

@@ -65,6 +65,13 @@ class ModelRoleConfig:
         "memory between calls; nothing to free on CPU)."
     )
     optimizer: OptimizerConfig = help_field(OptimizerConfig(), "Optimizer (trained roles only).")
+    compile: bool = help_field(
+        False, "torch.compile the transformer blocks (norms, rotary, SwiGLU, residuals; attention "
+        "stays eager) of this role's training and inference forwards; the decode step has "
+        "gen.compile. On 2 CPU cores, 4M-parameter model: forward+backward 1.15-1.18x faster, "
+        "actor_train ~1.1x, after ~5 s of compiling in the first step (~30 s with a cold "
+        "inductor cache). Ignored with tensor parallelism; needs a C++ compiler on CPU."
+    )
 
 
 @dataclass

@@ -132,8 +132,8 @@ class _RunningProcess:
             "MKL_NUM_THREADS": threads,
             environment.NUM_THREADS: threads,
         }
-        # torch.compile's C++ compile workers (gen.compile) get the same share unless the user
-        # chose: by default inductor starts one per core in every process.
+        # torch.compile's C++ compile workers (gen.compile, <role>.compile) get the same share unless
+        # the user chose: by default inductor starts one per core in every process.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
         try:
             self.popen = subprocess.Popen(

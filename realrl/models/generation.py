@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from realrl.models.attention import PackedLayout, varlen_attention
+from realrl.models.compiled import explain_compile_failure
 from realrl.models.sampling import (
     GenerationConfig,
     GenerationOutput,
@@ -242,14 +243,8 @@ def _decode_function(model: Transformer, compile_step: bool):
         step = torch.compile(functools.partial(_decode_step, model), fullgraph=True, dynamic=None)
 
         def compiled(*args):
-            try:
+            with explain_compile_failure("gen.compile", "the decode step"):
                 return step(*args)
-            except torch._dynamo.exc.BackendCompilerFailed as error:  # e.g. no C++ compiler
-                raise RuntimeError(
-                    f"gen.compile=true: torch.compile could not build the decode step ({error}); "
-                    "install a working C++ compiler (g++ or clang; set $CXX to choose one) or "
-                    "set gen.compile=false"
-                ) from error
 
         model.compiled_decode_step = compiled
     return compiled

@@ -85,11 +85,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.normalized_shape = (hidden_size,)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(hidden.float(), self.normalized_shape, eps=self.eps)
-        return self.weight * normed.to(hidden.dtype)
+        return rms_norm(hidden, self.weight, self.eps)
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm`'s math as a function of its weight [hidden] (compiled blocks pass weights)."""
+    normed = F.rms_norm(hidden.float(), weight.shape, eps=eps)
+    return weight * normed.to(hidden.dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:

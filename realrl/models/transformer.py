@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from realrl.models.layers import (
     RotaryTable,
     apply_rotary,
 )
+
+if TYPE_CHECKING:
+    from realrl.models.compiled import CompiledBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +118,10 @@ class Transformer(nn.Module):
         super().__init__()
         factory = factory or PlainLayerFactory()
         self.config = config
+        self.tp_size = factory.tp_size
         self.attention_kernel = "auto"
+        # Set by `realrl.models.compiled.enable_compiled_blocks`; None: eager blocks.
+        self.compiled_blocks: CompiledBlocks | None = None
         self.embedding = factory.embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             Block(config, factory, i) for i in range(config.num_hidden_layers)
@@ -137,8 +144,15 @@ class Transformer(nn.Module):
         """Final-normed hidden states [*ids.shape, hidden]; rotary capacity must be ensured."""
         hidden = self.embedding(packed_input_ids)
         cos, sin = self.rotary.lookup(position_ids, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attend)
+        compiled = self.compiled_blocks
+        # Compiled graphs take packed [total_tokens, hidden] with at least 2 tokens (a size-1
+        # dimension cannot be symbolic); anything else runs eager rather than recompile.
+        if compiled is not None and hidden.dim() == 2 and hidden.shape[0] >= 2:
+            for layer in self.layers:
+                hidden = compiled(layer, hidden, cos, sin, attend)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, cos, sin, attend)
         return self.final_norm(hidden)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,18 +4,26 @@ A tensor-parallel layout (tp size > 1) loads the full checkpoint, then keeps thi
 (`realrl.models.tensor_parallel.shard_state_dict`) in a module built with tensor-parallel
 layers on the layout's tp group. Divisibility of heads, vocabulary and MLP size by the tp size
 is checked when the plan is made.
+
+`<role>.compile=true` compiles the blocks of the loaded module (`realrl.models.compiled`) for
+its training and inference forwards; tensor-parallel shards stay eager (see there).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from realrl.api.experiment import ModelKind, ModelSpec
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.models.checkpoint import load_pretrained
+from realrl.models.compiled import enable_compiled_blocks
 from realrl.models.tensor_parallel import TensorParallelLayerFactory, shard_state_dict
 from realrl.models.tokenizer import load_tokenizer
 from realrl.models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -52,6 +60,16 @@ def load_engine(
         device=device,
     )
     module = shard_module(module, parallel)
+    if spec.config.compile:
+        if parallel.tp_size == 1:
+            enable_compiled_blocks(module, f"{spec.role}.compile")
+        else:
+            logger.warning(
+                "%s.compile=true is ignored: compiled blocks need tensor-parallel size 1, this "
+                "layout has %d; the model runs eager",
+                spec.role,
+                parallel.tp_size,
+            )
     tokenizer = load_tokenizer(spec.config.path)
     return TorchEngine(
         module,

@@ -1,0 +1,26 @@
+"""`load_engine` applies a role's config to the module it loads."""
+
+from realrl.api.config import resolve_config
+from realrl.backends.torch_engine import ParallelContext
+from realrl.experiments.ppo_math import PPOMathConfig
+from realrl.launcher.defaults import fresh_default_model
+from realrl.workers.model_loading import load_engine
+
+
+def test_role_compile_key_reaches_the_loaded_module_of_that_role_only(tmp_path):
+    model_path = fresh_default_model(tmp_path / "model")
+    config = resolve_config(
+        PPOMathConfig,
+        [
+            f"actor.path={model_path}",
+            f"ref.path={model_path}",
+            "actor.compile=true",
+            "ppo.kl_ctl=0.1",
+        ],
+    )
+    models = config.build().models
+    actor = load_engine(models["actor"], ParallelContext(), True, 1, seed=0)
+    reference = load_engine(models["ref"], ParallelContext(), False, 1, seed=0)
+    assert actor.module.compiled_blocks is not None
+    assert actor.module.compiled_blocks.key == "actor.compile"  # named in compile errors
+    assert reference.module.compiled_blocks is None
