@@ -7,8 +7,9 @@ temperature 1. Systems:
 - `realrl-grpo`: `python -m realrl.apps.quickstart ppo-math` with `ppo.disable_value=true
   ppo.adv_estimator=grpo ppo.kl_ctl=0` (critic-free, no reference: the same graph as TRL's
   GRPO with `beta=0`), run through the real CLI in a fresh process tree;
-- `realrl-grpo-compiled`: the same with `gen.compile=true` (compiled decode step; the
-  compile happens in the warm-up step, which is dropped);
+- `realrl-grpo-compiled`: the same with `gen.compile=true actor.compile=true` (compiled
+  decode step and compiled blocks in the training forward; the compiles happen in the warm-up
+  step, which is dropped);
 - `realrl-grpo-pipelined`: compiled decode and `pipeline_rollout=true` on two model workers
   (one thread each): the rollout of step i+1 (generation, reward) runs on worker 0 while
   step i trains on worker 1, so rollouts are one train step off-policy (AReaL-style). Not the
@@ -29,7 +30,10 @@ start-up included) and the 1-minute load average when it started: on a shared ma
 above the core count means every system got less than its threads' worth of CPU.
 
 Threads: every system gets `--threads` (default 2, the machine's cores); realrl's launcher
-gives its model workers the cores between them (its master mostly waits on sockets).
+gives its model workers the cores between them (its master mostly waits on sockets). By default
+realrl runs as a user gets it: `n_devices_per_node=0`, which on a 2-core machine starts two
+single-threaded model workers and runs every MFC data parallel over both (`--realrl-workers 1`:
+one worker with both threads).
 
     .venv/bin/python benchmarks/bench_rl_step.py --repeats 3 --steps 4 --warmup 1
 """
@@ -70,9 +74,9 @@ PPO_OVERRIDES = ["ppo.adv_estimator=gae", "ppo.kl_ctl=0.1"]
 # Each realrl system's overrides; they come last on the command line, so they win.
 REALRL_SYSTEMS = {
     "realrl-grpo": GRPO_OVERRIDES,
-    "realrl-grpo-compiled": [*GRPO_OVERRIDES, "gen.compile=true"],
-    "realrl-grpo-pipelined": [*GRPO_OVERRIDES, "gen.compile=true", "pipeline_rollout=true",
-                              "n_devices_per_node=2"],
+    "realrl-grpo-compiled": [*GRPO_OVERRIDES, "gen.compile=true", "actor.compile=true"],
+    "realrl-grpo-pipelined": [*GRPO_OVERRIDES, "gen.compile=true", "actor.compile=true",
+                              "pipeline_rollout=true", "n_devices_per_node=2"],
     "realrl-ppo": PPO_OVERRIDES,
 }
 REALRL_GRPO = ("realrl-grpo", "realrl-grpo-compiled", "realrl-grpo-pipelined")
@@ -95,8 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--realrl-workers", type=int, default=1,
-                        help="n_devices_per_node of the realrl runs (model-worker processes).")
+    parser.add_argument("--realrl-workers", type=int, default=0,
+                        help="n_devices_per_node of the realrl runs (model-worker processes); "
+                             "0: the launcher's default, what a user gets (one single-threaded "
+                             "worker per core on a 2-core machine).")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="Per run.")
     parser.add_argument("--baseline-omp-wait-policy", default=None,
                         help="OMP_WAIT_POLICY for the loop and TRL (e.g. PASSIVE, what realrl's "
