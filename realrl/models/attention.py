@@ -17,6 +17,14 @@ Kernels (`benchmarks/bench_attention.py` measures them on CPU):
   total_tokens and slowest everywhere, kept as a reference for tests.
 `auto` picks `padded` for sequences of at most 128 tokens whose padding at most doubles the
 attention work, else `per_sequence` (numbers from bench_attention.py on 1 CPU thread).
+
+On CPU, `padded` batches of at most `MATMUL_ATTENTION_MAX_SEQLEN` tokens skip SDPA for two
+batched matmuls and a softmax, with the query heads of each key/value head stacked so that
+grouped-query attention needs no repeated keys (`_grouped_matmul_attention`). Forward+backward
+on 1 thread, 4 query / 2 key-value heads of 64: 32 x 40 tokens 5.3 ms vs SDPA's 10.6 ms,
+16 x 64 5.0 vs 6.7 ms, 8 x 128 the same (8.3 vs 8.2 ms), 4 x 256 slower (15.7 vs 12.3 ms).
+In the benchmark model's forward+backward (5 layers, 32 x 40 tokens, 1 thread) that is
+0.438-0.445 s -> 0.426-0.432 s.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ except ImportError:  # pragma: no cover
 
 ATTENTION_KERNELS = ("auto", "padded", "per_sequence", "block_diagonal", "flash")
 PADDED_MAX_SEQLEN = 128
+MATMUL_ATTENTION_MAX_SEQLEN = 64
 
 
 @dataclasses.dataclass
@@ -174,13 +183,35 @@ def _padded_attention(query, key, value, layout: PackedLayout, sliding_window):
 
     q, k, v = scatter(query), scatter(key), scatter(value)
     # Causal masking alone never lets a real query see a padded key (pads sit after it).
-    if sliding_window is not None and max_len > sliding_window:
+    if query.device.type == "cpu" and max_len <= MATMUL_ATTENTION_MAX_SEQLEN:
+        allowed = causal_mask(max_len, max_len, sliding_window, query.device)
+        out = _grouped_matmul_attention(q, k, v, allowed)
+    elif sliding_window is not None and max_len > sliding_window:
         out = _sdpa(q, k, v, causal_mask(max_len, max_len, sliding_window, query.device), False)
     else:
         out = _sdpa(q, k, v, None, is_causal=True)
     if equal_lengths:
         return out.transpose(1, 2).flatten(0, 1)  # [T, H, D]
     return out.transpose(1, 2)[rows, cols]  # [T, H, D]
+
+
+def _grouped_matmul_attention(query, key, value, allowed: torch.Tensor) -> torch.Tensor:
+    """Attention of query [batch, heads, len, dim] over key/value [batch, kv_heads, len, dim]
+    where `allowed` [len, len] is True, as matmul -> softmax (fp32) -> matmul.
+
+    Query head h reads key/value head h // (heads / kv_heads), as Hugging Face's `repeat_kv`:
+    the query heads of one key/value head are stacked along the length, so the scores are one
+    [group * len, len] matrix per key/value head.
+    """
+    num_heads, length, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    stacked = query.reshape(query.shape[0], num_kv_heads, group * length, head_dim)
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=query.device)
+    bias = bias.masked_fill(~allowed, float("-inf")).repeat(group, 1)  # [group * len, len]
+    scores = torch.matmul(stacked, key.transpose(-1, -2)).float() * head_dim**-0.5 + bias
+    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)
+    return out.view(query.shape)
 
 
 def _block_diagonal_attention(query, key, value, layout: PackedLayout, sliding_window):

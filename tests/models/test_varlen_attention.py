@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -31,16 +32,20 @@ def reference_attention(query, key, value, lengths, sliding_window=None):
     return torch.cat(outputs)
 
 
+# `padded` runs matmul attention up to MATMUL_ATTENTION_MAX_SEQLEN tokens and SDPA beyond.
+SHORT_AND_LONG = [[4, 1, 9, 6], [70, 3, 66]]
+
+
 @pytest.mark.parametrize("kernel", ["auto", "padded", "per_sequence", "block_diagonal"])
 @pytest.mark.parametrize("sliding_window", [None, 3])
-def test_kernels_match_reference_with_grouped_heads(kernel, sliding_window):
-    lengths = [4, 1, 9, 6]
+@pytest.mark.parametrize("lengths", SHORT_AND_LONG, ids=["short", "long"])
+def test_kernels_match_reference_with_grouped_heads(kernel, sliding_window, lengths):
     generator = torch.Generator().manual_seed(0)
     total = sum(lengths)
     query = torch.randn(total, 4, 8, generator=generator)
     key = torch.randn(total, 2, 8, generator=generator)
     value = torch.randn(total, 2, 8, generator=generator)
-    cu_seqlens = torch.tensor([0, 4, 5, 14, 20], dtype=torch.int32)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     layout = PackedLayout.from_cu_seqlens(cu_seqlens)
     out = varlen_attention(query, key, value, layout, sliding_window, kernel)
     expected = reference_attention(query, key, value, lengths, sliding_window)
@@ -60,12 +65,13 @@ def test_unknown_kernel_lists_the_choices():
 
 
 @pytest.mark.parametrize("sliding_window", [None, 3])
-def test_padded_kernel_on_equal_lengths_matches_per_sequence_with_gradients(sliding_window):
+@pytest.mark.parametrize("length", [5, 66], ids=["short", "long"])
+def test_padded_kernel_on_equal_lengths_matches_per_sequence_with_gradients(sliding_window, length):
     # Equal lengths take the view path (no scatter/gather); values and gradients must not change.
     generator = torch.Generator().manual_seed(1)
-    lengths = [5, 5, 5]
-    inputs = [torch.randn(15, heads, 8, generator=generator) for heads in (4, 2, 2)]
-    layout = PackedLayout.from_cu_seqlens(torch.tensor([0, 5, 10, 15], dtype=torch.int32))
+    lengths = [length] * 3
+    inputs = [torch.randn(3 * length, heads, 8, generator=generator) for heads in (4, 2, 2)]
+    layout = PackedLayout.from_cu_seqlens(torch.arange(0, 3 * length + 1, length, dtype=torch.int32))
     results = {}
     for kernel in ("padded", "per_sequence"):
         leaves = [t.clone().requires_grad_() for t in inputs]
