@@ -61,13 +61,15 @@ def load_engine(
     )
     module = shard_module(module, parallel)
     if spec.config.compile:
+        # The built-in single-model experiments (sft, rw, gen) name the "default" role `model`.
+        key = f"{'model' if spec.role == 'default' else spec.role}.compile"
         if parallel.tp_size == 1:
-            enable_compiled_blocks(module, f"{spec.role}.compile")
+            enable_compiled_blocks(module, key)
         else:
             logger.warning(
-                "%s.compile=true is ignored: compiled blocks need tensor-parallel size 1, this "
+                "%s=true is ignored: compiled blocks need tensor-parallel size 1, this "
                 "layout has %d; the model runs eager",
-                spec.role,
+                key,
                 parallel.tp_size,
             )
     tokenizer = load_tokenizer(spec.config.path)

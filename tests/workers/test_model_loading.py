@@ -24,3 +24,12 @@ def test_role_compile_key_reaches_the_loaded_module_of_that_role_only(tmp_path):
     assert actor.module.compiled_blocks is not None
     assert actor.module.compiled_blocks.key == "actor.compile"  # named in compile errors
     assert reference.module.compiled_blocks is None
+
+
+def test_single_model_experiments_name_their_compile_key_model(tmp_path):
+    from realrl.experiments.sft import SFTExperimentConfig
+
+    model_path = fresh_default_model(tmp_path / "model")
+    config = resolve_config(SFTExperimentConfig, [f"model.path={model_path}", "model.compile=true"])
+    engine = load_engine(config.build().models["default"], ParallelContext(), True, 1, seed=0)
+    assert engine.module.compiled_blocks.key == "model.compile"
