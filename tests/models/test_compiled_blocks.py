@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from tiny_hf_models import TINY as HF_TINY
 from torch._dynamo.utils import counters
 
 from realrl.models.compiled import enable_compiled_blocks
@@ -20,14 +21,7 @@ from realrl.models.layers import PlainLayerFactory
 from realrl.models.transformer import Transformer
 
 # Both families share every size, so they share the part after attention (and its kernels).
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+TINY = {**HF_TINY, "num_hidden_layers": 3}
 FAMILIES = {
     "qwen2": dict(model_type="qwen2", qkv_bias=True, tie_word_embeddings=True),
     "llama": dict(model_type="llama", qkv_bias=False, rope_theta=500000.0),
