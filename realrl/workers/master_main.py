@@ -112,11 +112,12 @@ async def _pipelined_steps(master: Master, data: DataSource, steps: range,
     def start_rollout() -> asyncio.Task:
         return asyncio.create_task(master.run_rollout(data.next_batch(), data.next_batch))
 
-    pending: asyncio.Task | None = start_rollout() if steps else None
+    pending: asyncio.Task | None = None
     try:
         for step in steps:
             started = time.perf_counter()
-            assert pending is not None
+            if pending is None:  # the first step, and the first after a checkpoint
+                pending = start_rollout()
             result = await pending
             rollout_wait_s = time.perf_counter() - started
             await master.refresh(master.plan.rollout_mfcs(), result)
@@ -124,10 +125,8 @@ async def _pipelined_steps(master: Master, data: DataSource, steps: range,
             pending = start_rollout() if ahead else None
             await master.run_training(result)
             await end_of_step(step, result, time.perf_counter() - started, rollout_wait_s)
-            if pending is None and step + 1 < steps.stop:
-                pending = start_rollout()
-    finally:
-        if pending is not None and not pending.done():
+    finally:  # a failed step: stop the rollout in flight and collect its outcome
+        if pending is not None:
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pending
