@@ -34,7 +34,18 @@ def worker_pid(run_dir, rank: int) -> int | None:
     return None
 
 
-def test_killing_a_worker_mid_step_stops_the_run_and_names_it(tiny_model, cli_env, tmp_path):
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(["allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2"], id="synchronous"),
+        # Worker 1 trains while worker 0 generates the next rollout; the master has a rollout
+        # in flight when the trainer dies.
+        pytest.param(["pipeline_rollout=true"], id="pipelined", marks=pytest.mark.slow),
+    ],
+)
+def test_killing_a_worker_mid_step_stops_the_run_and_names_it(
+    schedule, tiny_model, cli_env, tmp_path
+):
     run_dir = tmp_path / "runs" / "ppo-math" / "trial0"
     launcher = start_cli(
         "ppo-math",
@@ -42,7 +53,7 @@ def test_killing_a_worker_mid_step_stops_the_run_and_names_it(tiny_model, cli_en
             f"actor.path={tiny_model}",
             f"output_root={tmp_path / 'runs'}",
             "n_devices_per_node=2",
-            "allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2",
+            *schedule,
             "dataset.batch_size=8",
             "gen.max_new_tokens=16",
             "total_train_steps=200",
