@@ -77,10 +77,14 @@ def _model_shape(path: str) -> dict | None:
     }
 
 
+def _train_mfcs(graph: DataflowGraph) -> list[str]:
+    return [name for name in graph.order if graph.mfcs[name].is_train]
+
+
 def pipeline_problems(graph: DataflowGraph, allocations: dict[str, MFCAllocation]) -> list[str]:
     """What keeps `pipeline_rollout=true` from overlapping the rollout with training."""
-    train = [name for name in graph.order if graph.mfcs[name].is_train]
-    rollout = [name for name in graph.order if not graph.mfcs[name].is_train]
+    train = _train_mfcs(graph)
+    rollout = [name for name in graph.order if name not in train]
     if not train or not rollout:
         return ["`pipeline_rollout=true` overlaps the rollout MFCs with the train MFCs, but this "
                 "graph has " + ("no train MFC" if not train else "only train MFCs")
@@ -126,8 +130,7 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     problems: list[str] = []
     mode = config.allocation_mode
     if config.pipeline_rollout and mode.strip() == "auto" and config.n_workers > 1:
-        mode = split_allocation_mode([n for n in graph.order if graph.mfcs[n].is_train],
-                                     config.n_workers)
+        mode = split_allocation_mode(_train_mfcs(graph), config.n_workers)
         logger.info("allocation_mode=auto with pipeline_rollout=true: %s", mode)
     try:
         allocations = parse_allocation_mode(

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, MFCKind, ParamReallocHook
-from realrl.api.experiment import ModelKind
 from realrl.workers.realloc import transfer_ranks
 from realrl.workers.rollout_filter import apply_rollout_filter
 from realrl.workers.run_plan import LayoutKey, RunPlan
@@ -47,7 +46,6 @@ class StepResult:
     timing: dict[str, float] = field(default_factory=dict)  # seconds per MFC and transfer
     compute: dict[str, float] = field(default_factory=dict)  # worker-side seconds per MFC
     generated_by: dict[str, int] = field(default_factory=dict)  # role -> weights version
-    trained: set[str] = field(default_factory=set)  # names of the train MFCs that ran
 
 
 class Master:
@@ -169,7 +167,7 @@ class Master:
 
     def _is_stale(self, mfc: MFCDef) -> bool:
         """Whether `mfc`'s layout holds older weights than its role's newest."""
-        if self.plan.models[mfc.model_role].kind == ModelKind.rule:
+        if not self.plan.has_weights(mfc):
             return False
         layout = self.plan.layout_of(mfc.name)
         return self.layout_version[layout] < self.role_version[mfc.model_role]
@@ -201,7 +199,6 @@ class Master:
             await self._dispatch(mfc, result)
             result.timing[mfc.name] = time.perf_counter() - started
             if mfc.is_train:
-                result.trained.add(mfc.name)
                 self.role_version[mfc.model_role] += 1
                 self.layout_version[owner] = self.role_version[mfc.model_role]
             for hook in hooks:

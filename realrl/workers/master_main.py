@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 from realrl.api.config import RecoverMode
@@ -29,11 +29,12 @@ from realrl.workers.transport import AsyncClient
 logger = logging.getLogger(__name__)
 
 
-def step_metrics(result: StepResult, step_seconds: float,
-                 rollout_wait_s: float | None = None) -> dict[str, float]:
-    """A step's metrics. `rollout_wait_s`: pipelined runs only, how long the step waited for
-    its rollout, which ran while the previous step trained; the step's compute is then that
-    wait plus its train calls, and the rollout's own compute (overlapped) is not counted."""
+def step_metrics(result: StepResult, step_seconds: float, rollout_wait_s: float | None = None,
+                 train_mfcs: Collection[str] = ()) -> dict[str, float]:
+    """A step's metrics. Pipelined runs pass `rollout_wait_s`, how long the step waited for its
+    rollout, which ran while the previous step trained, and the names of the train MFCs: the
+    step's compute is then that wait plus its train calls, and the rollout's own compute
+    (overlapped) is not counted."""
     metrics = dict(result.stats)
     if "rew_inf/task_mean" in metrics:
         metrics["reward/task_mean"] = metrics["rew_inf/task_mean"]
@@ -41,7 +42,7 @@ def step_metrics(result: StepResult, step_seconds: float,
         metrics[f"timing/{name}"] = seconds
     compute = sum(result.compute.values())
     if rollout_wait_s is not None:
-        train = sum(seconds for name, seconds in result.compute.items() if name in result.trained)
+        train = sum(seconds for name, seconds in result.compute.items() if name in train_mfcs)
         compute = rollout_wait_s + train
         metrics["timing/rollout_wait_s"] = rollout_wait_s
     metrics["timing/step_s"] = step_seconds
@@ -71,10 +72,11 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) ->
             first_step = await recovery.restore(master, data, checkpoint, plan)
             logger.info("resumed from %s at step %d", checkpoint, first_step)
     metrics_logger = MetricsLogger(run_dir, plan.base, first_step)
+    train_mfcs = plan.train_mfcs()
 
     async def end_of_step(step: int, result: StepResult, seconds: float,
                           rollout_wait_s: float | None = None) -> None:
-        metrics_logger.log(step + 1, step_metrics(result, seconds, rollout_wait_s))
+        metrics_logger.log(step + 1, step_metrics(result, seconds, rollout_wait_s, train_mfcs))
         if saves_after(plan.base, step + 1):
             await recovery.save(master, data, run_dir, step + 1)
 

@@ -70,7 +70,7 @@ class RunPlan:
 
     def layouts(self) -> list[LayoutKey]:
         """Every distinct layout, in a deterministic order (process groups depend on it)."""
-        return sorted({self.layout_of(m.name) for m in self.mfcs if self._has_weights(m)})
+        return sorted({self.layout_of(m.name) for m in self.mfcs if self.has_weights(m)})
 
     def owner_layout(self, role: str) -> LayoutKey:
         mfcs = [m for m in self.mfcs if m.model_role == role]
@@ -99,7 +99,7 @@ class RunPlan:
         """Every MFC but the train ones: what `pipeline_rollout` runs one step ahead."""
         return [m.name for m in self.mfcs if not m.is_train]
 
-    def _has_weights(self, mfc: MFCDef) -> bool:
+    def has_weights(self, mfc: MFCDef) -> bool:
         return self.models[mfc.model_role].kind != ModelKind.rule
 
     # ------------------------------------------------------------------ JSON

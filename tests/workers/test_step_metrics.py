@@ -13,7 +13,6 @@ from realrl.workers.run_plan import base_settings
 def _result() -> StepResult:
     result = StepResult(data=SequenceSample.from_default(ids=[], seqlens=[], data={}))
     result.compute = {"actor_gen": 0.30, "rew_inf": 0.02, "actor_train": 0.40}
-    result.trained = {"actor_train"}
     result.timing = {"actor_gen": 0.31, "actor_train": 0.41, "realloc/actor_gen": 0.02}
     return result
 
@@ -27,7 +26,8 @@ def test_synchronous_step_counts_the_compute_of_every_mfc():
 
 def test_pipelined_step_counts_its_wait_for_the_rollout_and_its_training():
     # The rollout's 0.32 s of compute ran during the previous step; this one waited 0.05 s.
-    metrics = step_metrics(_result(), step_seconds=0.50, rollout_wait_s=0.05)
+    metrics = step_metrics(_result(), step_seconds=0.50, rollout_wait_s=0.05,
+                           train_mfcs=["actor_train"])
     assert metrics["perf/compute_s"] == pytest.approx(0.45)
     assert metrics["perf/overhead_fraction"] == pytest.approx(0.1)  # 1 - 0.45 / 0.50
     assert metrics["timing/rollout_wait_s"] == 0.05
