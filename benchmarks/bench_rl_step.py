@@ -79,7 +79,10 @@ REALRL_SYSTEMS = {
                               "pipeline_rollout=true", "n_devices_per_node=2"],
     "realrl-ppo": PPO_OVERRIDES,
 }
-REALRL_GRPO = ("realrl-grpo", "realrl-grpo-compiled", "realrl-grpo-pipelined")
+PIPELINED = REALRL_SYSTEMS["realrl-grpo-pipelined"]
+REALRL_SYSTEMS["realrl-grpo-pipelined-noshare"] = [*PIPELINED, "share_idle_cores=false"]
+REALRL_GRPO = ("realrl-grpo", "realrl-grpo-compiled", "realrl-grpo-pipelined",
+               "realrl-grpo-pipelined-noshare")
 ALL_SYSTEMS = (*REALRL_GRPO, "loop", "trl", "realrl-ppo")
 INFERENCE_MFCS = ("rew_inf", "ref_inf", "critic_inf")
 TRAIN_MFCS = ("actor_train", "critic_train")

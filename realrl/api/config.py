@@ -136,6 +136,15 @@ class BaseExperimentConfig:
         "the train ones) on other workers than the train MFCs, e.g. "
         "`allocation_mode='actor_train:d1@1,*:d1@0'` with 2 workers.",
     )
+    share_idle_cores: bool = help_field(
+        True,
+        "Local CPU runs: a model worker serving a request borrows the CPU threads of the "
+        "machine's idle workers, between transformer layers, and gives them back as soon as "
+        "one of those starts (e.g. the trainer takes the generator's core once a pipelined "
+        "rollout is done). The thread count then depends on timing, and float sums may round "
+        "differently in the last bit from run to run; false keeps each worker's even share "
+        "of the cores and makes reruns with the same seed bit-identical.",
+    )
     total_train_steps: int = help_field(20, "Number of training steps (graph executions).")
     save_freq_steps: int = help_field(0, "Save a checkpoint every N steps (0: only at the end).")
     recover_mode: RecoverMode = help_field(

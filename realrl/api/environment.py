@@ -8,5 +8,8 @@ RUN_DIR = "REALRL_RUN_DIR"
 RUN_SECRET = "REALRL_RUN_SECRET"
 # Torch threads of a launched process (the launcher splits the CPU cores between processes).
 NUM_THREADS = "REALRL_NUM_THREADS"
+# Set by the local launcher for model workers: the file through which idle workers lend their
+# CPU threads to busy ones (`realrl.workers.core_share`).
+CORE_SHARE = "REALRL_CORE_SHARE"
 # Where the built-in default model is built and cached; default ~/.cache/realrl.
 CACHE = "REALRL_CACHE"

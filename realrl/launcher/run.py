@@ -27,6 +27,7 @@ from realrl.launcher.processes import (
     ProcessSupervisor,
     SupervisorInterrupted,
 )
+from realrl.workers.core_share import CoreShareSpec
 from realrl.workers.run_plan import RunPlan, base_settings
 from realrl.workers.run_secret import create_run_secret
 
@@ -123,8 +124,13 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int) -> 
                          "[master]", num_threads=1)]
     for worker in plan.workers:
         roles = " ".join(worker.roles) or "idle"
+        worker_env = env
+        if config.share_idle_cores:
+            share = CoreShareSpec(run_dir / "core-share", worker.rank, len(plan.workers),
+                                  worker_threads)
+            worker_env = env | {environment.CORE_SHARE: share.to_env()}
         specs.append(ProcessSpec(
-            f"worker{worker.rank}", common + ["worker", "--rank", str(worker.rank)], env,
+            f"worker{worker.rank}", common + ["worker", "--rank", str(worker.rank)], worker_env,
             run_dir / "logs" / f"worker{worker.rank}.log", f"[worker {worker.rank} {roles}]",
             num_threads=worker_threads,
         ))

@@ -122,6 +122,10 @@ class Transformer(nn.Module):
         self.attention_kernel = "auto"
         # Set by `realrl.models.compiled.enable_compiled_blocks`; None: eager blocks.
         self.compiled_blocks: CompiledBlocks | None = None
+        # Called between transformer layers, in the forward and (for tensors that need grad) in
+        # the backward: a model worker re-balances its CPU threads there
+        # (`realrl.workers.core_share`). Not called in decode steps.
+        self.between_layers: Callable[[], None] | None = None
         self.embedding = factory.embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             Block(config, factory, i) for i in range(config.num_hidden_layers)
@@ -147,12 +151,17 @@ class Transformer(nn.Module):
         compiled = self.compiled_blocks
         # Compiled graphs take packed [total_tokens, hidden] with at least 2 tokens (a size-1
         # dimension cannot be symbolic); anything else runs eager rather than recompile.
-        if compiled is not None and hidden.dim() == 2 and hidden.shape[0] >= 2:
-            for layer in self.layers:
+        use_compiled = compiled is not None and hidden.dim() == 2 and hidden.shape[0] >= 2
+        between_layers = self.between_layers
+        for layer in self.layers:
+            if use_compiled:
                 hidden = compiled(layer, hidden, cos, sin, attend)
-        else:
-            for layer in self.layers:
+            else:
                 hidden = layer(hidden, cos, sin, attend)
+            if between_layers is not None:
+                between_layers()
+                if hidden.requires_grad:
+                    hidden.register_hook(lambda grad: between_layers())
         return self.final_norm(hidden)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ master's per-rank locks guarantee that collectives are entered in the same order
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.interfaces.registry import make_interface
 from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import checkpointing
+from realrl.workers.core_share import CoreShare
 from realrl.workers.realloc import ProcessGroups, transfer_parameters
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import LayoutKey, RunPlan
@@ -50,10 +52,12 @@ class HostedModel:
 
 
 class ModelWorker:
-    def __init__(self, rank: int, plan: RunPlan, groups: ProcessGroups):
+    def __init__(self, rank: int, plan: RunPlan, groups: ProcessGroups,
+                 cores: CoreShare | None = None):
         self.rank = rank
         self.plan = plan
         self.groups = groups
+        self.cores = cores
         self.models: dict[LayoutKey, HostedModel] = {}
         self.interfaces = {}
         self.rule_engines: dict[str, TokenizerOnlyEngine] = {}
@@ -83,6 +87,8 @@ class ModelWorker:
             engine = load_engine(spec, parallel, trains=trains,
                                  total_optimizer_steps=self.plan.base.total_train_steps * steps_per_call,
                                  seed=self.plan.base.seed * 1000 + replica_rank)
+            if cores := self.cores:
+                engine.module.between_layers = cores.rebalance
             self.models[layout] = HostedModel(layout, engine)
             logger.info("hosting %s (%s, dp %d/%d, tp %d/%d)", layout, "trainable" if trains else
                         "frozen", coords.dp, allocation.strategy.data, coords.tp,
@@ -108,6 +114,10 @@ class ModelWorker:
     # ------------------------------------------------------------------ handlers
 
     def handle(self, message: Message) -> Message:
+        with self.cores.busy() if self.cores else contextlib.nullcontext():
+            return self._handle(message)
+
+    def _handle(self, message: Message) -> Message:
         handler = {
             "mfc": self._run_mfc,
             "transfer": self._transfer,
@@ -179,7 +189,8 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
     rendezvous.publish(f"worker/{rank}/address", server.bound_address)
     plan = RunPlan.from_json(rendezvous.wait_for("plan"))
     groups = ProcessGroups.create(plan)
-    worker = ModelWorker(rank, plan, groups)
+    cores = CoreShare.from_environment()
+    worker = ModelWorker(rank, plan, groups, cores)
     rendezvous.publish(f"worker/{rank}/ready", "1")
     logger.info("worker %d ready at %s", rank, server.bound_address)
     try:
@@ -199,4 +210,6 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
             server.send(peer, reply)
     finally:
         server.close()
+        if cores is not None:
+            cores.close()
         dist.destroy_process_group()

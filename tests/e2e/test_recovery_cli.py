@@ -28,9 +28,11 @@ from safetensors.torch import load_file
 TOTAL_STEPS = 4
 # Every piece of state that changes during a run is in play: a critic with value
 # normalisation, an adaptive KL controller, an EMA reference model, sampling on a different
-# layout than training.
+# layout than training. Lending idle cores changes thread counts with timing, and with them
+# the rounding of some float sums, so bit-identical runs keep the even split.
 RECOVERABLE_PPO = [
     "n_devices_per_node=2",
+    "share_idle_cores=false",
     "allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2",
     "dataset.batch_size=4",
     "group_size=2",

@@ -1,0 +1,108 @@
+"""Idle model workers lend their CPU threads to busy ones on the same machine.
+
+Why: the launcher splits a machine's cores evenly between its model workers, but a dataflow
+graph rarely keeps them all busy. In a pipelined step (`pipeline_rollout=true`) the generating
+worker finishes its rollout well before the training worker finishes its step, and in a
+synchronous one an MFC on one worker's mesh leaves the others waiting. With an even split
+those cores sit idle; here a worker that is running a request takes the threads of every
+worker on the machine that is not, and gives them back as soon as one of them starts.
+
+How: the workers of one machine share a small memory-mapped file with one byte per worker,
+1 while it serves a request. A busy worker re-reads the file between transformer layers
+(forward and backward; `Transformer.between_layers`) and calls `torch.set_num_threads` when
+its share changed, so a lent core is taken back within one layer. Reading the bytes costs
+well under a microsecond; the thread count only changes when a peer starts or stops.
+
+Decode steps keep their own rule (small ones run on one thread; `realrl.models.generation`),
+and CUDA workers do not use this at all. The file lives in the run directory; the local
+launcher sets it up (`realrl.launcher.run`). Under SLURM each task has its own CPUs, so
+nothing is lent there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from realrl.api import environment
+
+
+@dataclass(frozen=True)
+class CoreShareSpec:
+    """Where the shared file is, which byte is this worker's, and its threads."""
+
+    path: Path
+    slot: int
+    slots: int
+    threads: int  # this worker's own share; a peer's share is the same
+
+    def to_env(self) -> str:
+        return f"{self.path}:{self.slot}:{self.slots}:{self.threads}"
+
+    @classmethod
+    def from_env(cls, value: str) -> CoreShareSpec:
+        path, slot, slots, threads = value.rsplit(":", 3)
+        return cls(Path(path), int(slot), int(slots), int(threads))
+
+
+class CoreShare:
+    """This worker's view of the machine's shared busy flags."""
+
+    def __init__(self, spec: CoreShareSpec):
+        import torch  # here, not at the top: the launcher imports `CoreShareSpec`
+
+        self._torch = torch
+        self.spec = spec
+        spec.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(spec.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < spec.slots:
+                os.ftruncate(fd, spec.slots)
+            self._flags = mmap.mmap(fd, spec.slots)
+        finally:
+            os.close(fd)
+        self._flags[spec.slot] = 0  # a killed earlier run of this run directory may have left a 1
+        self._busy = False
+
+    @classmethod
+    def from_environment(cls) -> CoreShare | None:
+        import torch
+
+        value = os.environ.get(environment.CORE_SHARE)
+        if not value or torch.cuda.is_available():
+            return None
+        return cls(CoreShareSpec.from_env(value))
+
+    def threads_now(self) -> int:
+        """Own share plus the shares of the peers that are idle now (while this one is busy)."""
+        busy = sum(self._flags[: self.spec.slots])
+        return self.spec.threads * (1 + self.spec.slots - max(busy, 1))
+
+    def rebalance(self) -> None:
+        """Take the threads lent now (or give back what a peer took back)."""
+        if not self._busy:
+            return
+        threads = self.threads_now()
+        if threads != self._torch.get_num_threads():
+            self._torch.set_num_threads(threads)
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark this worker busy while serving one request; back to its own share after."""
+        self._flags[self.spec.slot] = 1
+        self._busy = True
+        try:
+            self.rebalance()
+            yield
+        finally:
+            self._busy = False
+            self._flags[self.spec.slot] = 0
+            self._torch.set_num_threads(self.spec.threads)
+
+    def close(self) -> None:
+        self._flags[self.spec.slot] = 0
+        self._flags.close()

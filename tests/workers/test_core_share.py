@@ -1,0 +1,125 @@
+"""Idle workers lend their CPU threads to busy ones (`realrl.workers.core_share`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from realrl.models.config import ModelConfig
+from realrl.models.generation import generate
+from realrl.models.sampling import GenerationConfig
+from realrl.models.transformer import Transformer
+from realrl.workers.core_share import CoreShare, CoreShareSpec
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _share(tmp_path, slot: int, slots: int = 3, threads: int = 1) -> CoreShare:
+    return CoreShare(CoreShareSpec(tmp_path / "core-share", slot, slots, threads))
+
+
+def test_spec_round_trips_through_the_environment_value(tmp_path):
+    spec = CoreShareSpec(tmp_path / "a:b" / "core-share", 2, 4, 3)
+    assert CoreShareSpec.from_env(spec.to_env()) == spec
+
+
+def test_a_busy_worker_takes_the_threads_of_idle_peers_and_gives_them_back(
+    tmp_path, restore_threads
+):
+    first, second, third = (_share(tmp_path, slot, threads=2) for slot in range(3))
+    torch.set_num_threads(2)
+    with first.busy():
+        assert torch.get_num_threads() == 6  # both peers idle
+        with second.busy():
+            first.rebalance()
+            assert torch.get_num_threads() == 4
+            with third.busy():
+                first.rebalance()
+                assert torch.get_num_threads() == 2
+        first.rebalance()
+        assert torch.get_num_threads() == 6
+    assert torch.get_num_threads() == 2
+    first.rebalance()  # idle: a layer hook outside a request changes nothing
+    assert torch.get_num_threads() == 2
+
+
+def test_the_flags_are_shared_between_processes(tmp_path, restore_threads):
+    """A peer in another process going busy takes its threads back from this one."""
+    child = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from realrl.workers.core_share import CoreShare, CoreShareSpec
+        share = CoreShare(CoreShareSpec(Path({str(tmp_path / "core-share")!r}), 1, 2, 1))
+        with share.busy():
+            print("busy", flush=True)
+            sys.stdin.readline()
+        print("idle", flush=True)
+        sys.stdin.readline()
+    """)
+    share = _share(tmp_path, 0, slots=2)
+    peer = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        with share.busy():
+            assert peer.stdout.readline().strip() == "busy"
+            share.rebalance()
+            assert torch.get_num_threads() == 1
+            peer.stdin.write("\n")
+            peer.stdin.flush()
+            assert peer.stdout.readline().strip() == "idle"
+            share.rebalance()
+            assert torch.get_num_threads() == 2
+        peer.stdin.write("\n")
+        peer.stdin.flush()
+        assert peer.wait(timeout=30) == 0
+    finally:
+        peer.kill()
+
+
+def _tiny_model() -> tuple[Transformer, list[str]]:
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+    model = Transformer(config)
+    calls: list[str] = []
+    model.between_layers = lambda: calls.append("between")
+    return model, calls
+
+
+def test_the_model_calls_back_between_layers_in_forward_and_backward():
+    model, calls = _tiny_model()
+    ids = torch.randint(0, 32, (10,))
+    cu_seqlens = torch.tensor([0, 4, 10])
+    with torch.no_grad():
+        model(ids, cu_seqlens)
+    assert len(calls) == 3
+    calls.clear()
+    logits = model(ids, cu_seqlens)
+    assert len(calls) == 3
+    logits.sum().backward()
+    assert len(calls) == 6
+
+
+def test_decode_steps_do_not_call_back():
+    """Only the prefill goes through the layer hook: decode keeps its own thread rule."""
+    model, calls = _tiny_model()
+    config = GenerationConfig(max_new_tokens=5, min_new_tokens=5, n=2)
+    generate(model, torch.randint(0, 32, (7,)), torch.tensor([0, 3, 7]), config,
+             torch.Generator().manual_seed(0))
+    assert len(calls) == 3
+
+
+def test_a_restarted_worker_clears_the_flag_a_killed_run_left(tmp_path, restore_threads):
+    (tmp_path / "core-share").write_bytes(b"\x01\x01")  # both workers died mid-request
+    first = _share(tmp_path, 0, slots=2)
+    _share(tmp_path, 1, slots=2)
+    with first.busy():
+        assert torch.get_num_threads() == 2
