@@ -55,6 +55,7 @@ class Master:
         self.rank_locks = {rank: asyncio.Lock() for rank in clients}
         self.role_version = {role: 0 for role in plan.models}
         self.layout_version = {layout: 0 for layout in plan.layouts()}
+        self._background: list[asyncio.Task] = []  # transfers started by `refresh`
 
     # ------------------------------------------------------------------ one step
 
@@ -73,16 +74,25 @@ class Master:
         await self._run_mfcs(self.plan.train_mfcs(), result)
 
     async def refresh(self, names: list[str], result: StepResult) -> None:
-        """Bring the layouts of `names` to their roles' newest weights now.
+        """Start bringing the layouts of `names` to their roles' newest weights.
 
         A pipelined run calls this while the train ranks are idle, so that the next rollout
-        does not queue its refresh behind the next train call on the per-rank locks.
+        does not queue its refresh behind the next train call on the per-rank locks. It returns
+        once every rank's lock is taken; each rank's lock is given back as soon as that rank has
+        done its part, and a sender's part ends when its last broadcast has started
+        (`post_send`), so the next train call need not wait for the receivers. The receivers'
+        locks are held until they have the weights, so a rollout on them waits for those.
         """
         for mfc in self.plan.mfcs:
             if mfc.name in names and self._is_stale(mfc):
                 owner, layout = self.plan.owner_layout(mfc.model_role), self.plan.layout_of(mfc.name)
-                async with self._locked(sorted(set(transfer_ranks(owner, layout)))):
-                    await self._refresh_layout(mfc, result)
+                ranks = sorted(set(transfer_ranks(owner, layout)))
+                for rank in ranks:
+                    await self.rank_locks[rank].acquire()
+                self.layout_version[layout] = self.role_version[mfc.model_role]
+                self._background.append(asyncio.create_task(
+                    self._transfer(owner, layout, 1.0, result, f"realloc/{mfc.name}",
+                                   release_locks=True)))
 
     async def _run_part(self, names: list[str], batch: SequenceSample,
                         more_prompts: Callable[[], SequenceSample] | None) -> StepResult:
@@ -225,15 +235,39 @@ class Master:
         async with contextlib.AsyncExitStack() as stack:
             for rank in ranks:
                 await stack.enter_async_context(self.rank_locks[rank])
+            self._raise_background_failure()
             yield
 
+    def _raise_background_failure(self) -> None:
+        """Re-raise the error of a finished background transfer; forget the successful ones."""
+        done = [task for task in self._background if task.done()]
+        self._background = [task for task in self._background if not task.done()]
+        for task in done:
+            task.result()
+
+    async def drain(self) -> None:
+        """Wait for the background transfers (before checkpoints and at the end of the run)."""
+        while self._background:
+            await self._background.pop(0)
+
     async def _transfer(self, source: LayoutKey, target: LayoutKey, eta: float,
-                        result: StepResult, label: str) -> None:
+                        result: StepResult, label: str, release_locks: bool = False) -> None:
+        """Run a transfer on every rank that takes part. With `release_locks` the caller holds
+        those ranks' locks, and each is released when its rank replies, and senders only
+        start their last broadcast."""
         started = time.perf_counter()
         header = {"source": vars(source) | {"ranks": list(source.ranks)},
-                  "target": vars(target) | {"ranks": list(target.ranks)}, "eta": eta}
-        ranks = transfer_ranks(source, target)
-        await asyncio.gather(*(self._request(rank, Message("transfer", header)) for rank in ranks))
+                  "target": vars(target) | {"ranks": list(target.ranks)}, "eta": eta,
+                  "post_send": release_locks}
+
+        async def on_rank(rank: int) -> None:
+            try:
+                await self._request(rank, Message("transfer", header))
+            finally:
+                if release_locks:
+                    self.rank_locks[rank].release()
+
+        await asyncio.gather(*(on_rank(rank) for rank in transfer_ranks(source, target)))
         result.timing[label] = result.timing.get(label, 0.0) + time.perf_counter() - started
 
     async def _request(self, rank: int, message: Message) -> Message:
@@ -271,4 +305,5 @@ class Master:
 
     async def broadcast(self, kind: str, header: dict) -> None:
         """Send one request to every worker and wait for all (checkpoints, shutdown)."""
+        await self.drain()
         await asyncio.gather(*(self._request(rank, Message(kind, header)) for rank in self.clients))

@@ -106,9 +106,9 @@ async def _pipelined_steps(master: Master, data: DataSource, steps: range,
                            end_of_step: Callable[..., Awaitable[None]]) -> None:
     """`pipeline_rollout=true`: step i+1's rollout runs while step i trains.
 
-    Each step waits for its rollout, brings the rollout layouts up to the newest weights while
-    the train ranks are idle, then trains while the next rollout runs on the weights it just
-    received: one train step old. No rollout runs ahead of a checkpoint, so the data position
+    Each step waits for its rollout, starts bringing the rollout layouts up to the newest
+    weights (the train ranks only start sending them), then trains while the next rollout runs
+    on the weights it just received: one train step old. No rollout runs ahead of a checkpoint, so the data position
     a checkpoint records is exact and a resumed run goes on from there.
     """
     def start_rollout() -> asyncio.Task:
@@ -126,6 +126,7 @@ async def _pipelined_steps(master: Master, data: DataSource, steps: range,
             ahead = step + 1 < steps.stop and not saves_after(master.plan.base, step + 1)
             pending = start_rollout() if ahead else None
             await master.run_training(result)
+            await master.drain()  # the refresh ended long ago; its timing belongs to this step
             await end_of_step(step, result, time.perf_counter() - started, rollout_wait_s)
     finally:  # a failed step: stop the rollout in flight and collect its outcome
         if pending is not None:

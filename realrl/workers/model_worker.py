@@ -61,6 +61,9 @@ class ModelWorker:
         self.models: dict[LayoutKey, HostedModel] = {}
         self.interfaces = {}
         self.rule_engines: dict[str, TokenizerOnlyEngine] = {}
+        # Broadcasts this rank started as a sender and returned before they finished (a
+        # transfer with `post_send`); waited for before any request but an MFC.
+        self.pending_sends: list[dist.Work] = []
         self._build()
 
     def _build(self) -> None:
@@ -115,7 +118,14 @@ class ModelWorker:
 
     def handle(self, message: Message) -> Message:
         with self.cores.busy() if self.cores else contextlib.nullcontext():
+            if message.kind != "mfc":
+                self.finish_sends()
             return self._handle(message)
+
+    def finish_sends(self) -> None:
+        """Wait for the broadcasts still in flight (their buffer is reused by the next one)."""
+        while self.pending_sends:
+            self.pending_sends.pop(0).wait()
 
     def _handle(self, message: Message) -> Message:
         handler = {
@@ -159,6 +169,7 @@ class ModelWorker:
             target_engine=self.models[target].engine if target in self.models else None,
             source=source, target=target, rank=self.rank, eta=message.header["eta"],
             groups=self.groups, plan=self.plan,
+            pending=self.pending_sends if message.header.get("post_send") else None,
         )
         return message.reply({"compute_s": time.perf_counter() - started})
 
@@ -200,6 +211,7 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
                 continue
             peer, message = received
             if message.kind == "exit":
+                worker.finish_sends()
                 server.send(peer, message.reply({}))
                 break
             try:

@@ -18,6 +18,8 @@ order, so ranks in both the gather group and the broadcast group cannot deadlock
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -142,11 +144,19 @@ class ProcessGroups:
 # ---------------------------------------------------------------------- moving weights
 
 
+# Building the meta model takes ~9 ms for a 5-layer model, paid on every rank of every
+# transfer; configs do not change during a run.
+_SHAPES: dict[str, list[tuple[str, torch.Size]]] = {}
+
+
 def full_parameter_shapes(config: ModelConfig) -> list[tuple[str, torch.Size]]:
     """(name, full shape) of every parameter, in `named_parameters` order (equal for shards)."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    return [(name, parameter.shape) for name, parameter in model.named_parameters()]
+    key = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    if key not in _SHAPES:
+        with torch.device("meta"):
+            model = Transformer(config)
+        _SHAPES[key] = [(name, parameter.shape) for name, parameter in model.named_parameters()]
+    return _SHAPES[key]
 
 
 def _buckets(shapes: list[tuple[str, torch.Size]], element_size: int) -> Iterator[list]:
@@ -213,13 +223,18 @@ def _broadcast_bucket(
     root: int,
     group: dist.ProcessGroup,
     device,
+    pending: list[dist.Work] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The bucket's full tensors on every rank of `group`, as views into a reused buffer: use
-    them before the next bucket."""
+    them before the next bucket. With `pending`, the broadcast is only started and its handle
+    appended there: the buffer must not be reused before it completes."""
     flat = _flat_buffer(sum(shape.numel() for _, shape in bucket), dtype, device)
     if full is not None:
         torch.cat([full[name].reshape(-1) for name, _ in bucket], out=flat)
-    dist.broadcast(flat, src=root, group=group)
+    if pending is None:
+        dist.broadcast(flat, src=root, group=group)
+    else:
+        pending.append(dist.broadcast(flat, src=root, group=group, async_op=True))
     sizes = [shape.numel() for _, shape in bucket]
     return {
         name: part.view(shape)
@@ -274,9 +289,16 @@ def transfer_parameters(
     eta: float,
     groups: ProcessGroups,
     plan: RunPlan,
+    pending: list[dist.Work] | None = None,
 ) -> None:
     """This rank's part of `target = eta * source + (1 - eta) * target` (see the module
-    docstring); engines are None where this rank holds no shard of that layout."""
+    docstring); engines are None where this rank holds no shard of that layout.
+
+    With `pending` (CPU only), a sender that blends nothing returns once its last bucket is
+    copied out and that broadcast started, and appends the broadcast's handle to `pending`:
+    the receivers finish on their own, and the caller must wait for the handle before the next
+    transfer (which reuses the buffer). Its parameters may change meanwhile.
+    """
     if rank in local_ranks(source, target):
         for target_param, source_param in zip(
             target_engine.module.parameters(), source_engine.module.parameters(), strict=True
@@ -298,15 +320,19 @@ def transfer_parameters(
     wire_dtype = DTYPES[plan.models[source.role].config.dtype.value]
     blends = receives or (rank == sender and _sender_blends(source, target))
     shapes = full_parameter_shapes(engine.module.config)
-    for bucket in _buckets(shapes, wire_dtype.itemsize):
+    buckets = list(_buckets(shapes, wire_dtype.itemsize))
+    posts = pending is not None and rank == sender and not blends and engine.device.type == "cpu"
+    for index, bucket in enumerate(buckets):
         full = None
         if gathers:
             full = _gather_bucket(
                 source_engine, [name for name, _ in bucket], wire_dtype, sender, gather_group
             )
         if broadcast_group is not None:
+            last = index == len(buckets) - 1
             full = _broadcast_bucket(
-                full, bucket, wire_dtype, sender, broadcast_group, engine.device
+                full, bucket, wire_dtype, sender, broadcast_group, engine.device,
+                pending if posts and last else None,
             )
         if blends:
             _blend_full_into(target_engine, full, target, rank, eta)

@@ -288,3 +288,43 @@ def test_broadcast_buckets_reuse_one_flat_buffer_that_grows_to_the_largest():
     assert (small.numel(), large.numel(), again.numel()) == (10, 100, 60)
     assert again.data_ptr() == large.data_ptr() != small.data_ptr()
     assert other_dtype.dtype == torch.bfloat16 and other_dtype.data_ptr() != large.data_ptr()
+
+
+def posted_send_worker(rank, port, model_path, result_dir):
+    """Rank 0 owns the trained actor and only starts its last broadcast; rank 1 receives."""
+    from realrl.workers import realloc
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    realloc.BUCKET_BYTES = 64 * 1024  # several buckets: only the last one may be in flight
+    plan = make_plan(model_path, {"train": [0], "gen": [1], "ref": [0]}, 1.0, 2)
+    groups = ProcessGroups.create(plan)
+    owner, gen = plan.owner_layout("actor"), plan.layout_of("actor_gen")
+    engine = build_engine(model_path, plan, owner if rank == 0 else gen, rank, groups, rank == 0)
+    pending: list = []
+    transfer_parameters(engine if rank == 0 else None, engine if rank == 1 else None, owner, gen,
+                        rank, 1.0, groups, plan, pending=pending if rank == 0 else None)
+    if rank == 0:
+        assert len(pending) == 1
+        with torch.no_grad():  # the next train step may change the weights at once
+            for parameter in engine.module.parameters():
+                parameter.add_(1000.0)
+        pending.pop().wait()
+    else:
+        state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        torch.save(state, os.path.join(result_dir, "received.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_posted_send_returns_before_the_receiver_and_sends_the_weights_it_had(tmp_path):
+    from realrl.launcher.run import free_port
+
+    model_path = fresh_default_model(tmp_path / "model")
+    mp.start_processes(posted_send_worker, args=(free_port(), str(model_path), str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    generator = torch.Generator().manual_seed(7)
+    received = torch.load(tmp_path / "received.pt")
+    for name, parameter in load_pretrained(model_path).named_parameters():
+        trained = parameter.detach() + torch.randn(parameter.shape, generator=generator)
+        assert torch.equal(received[name], trained), name
