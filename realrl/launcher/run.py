@@ -27,7 +27,7 @@ from realrl.launcher.processes import (
     ProcessSupervisor,
     SupervisorInterrupted,
 )
-from realrl.workers.core_share import CoreShareSpec
+from realrl.workers.core_share import CoreShareSpec, create_share_file
 from realrl.workers.run_plan import RunPlan, base_settings
 from realrl.workers.run_secret import create_run_secret
 
@@ -114,7 +114,10 @@ def openmp_environment() -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int) -> list[ProcessSpec]:
+def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int,
+                  core_share: Path | None = None) -> list[ProcessSpec]:
+    """The master's and the workers' processes; with `core_share` (a file from
+    `create_share_file`) the workers lend each other idle threads."""
     run_dir = plan.run_dir.resolve()
     worker_threads = max(1, usable_cores() // config.n_workers)
     common = [sys.executable, "-m", "realrl.launcher.entry", "--run-dir", str(run_dir),
@@ -125,9 +128,8 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int) -> 
     for worker in plan.workers:
         roles = " ".join(worker.roles) or "idle"
         worker_env = env
-        if config.share_idle_cores:
-            share = CoreShareSpec(run_dir / "core-share", worker.rank, len(plan.workers),
-                                  worker_threads)
+        if core_share is not None:
+            share = CoreShareSpec(core_share, worker.rank, len(plan.workers), worker_threads)
             worker_env = env | {environment.CORE_SHARE: share.to_env()}
         specs.append(ProcessSpec(
             f"worker{worker.rank}", common + ["worker", "--rank", str(worker.rank)], worker_env,
@@ -154,7 +156,15 @@ def run_experiment(config: BaseExperimentConfig) -> int:
     write_run_files(config, plan)
     sys.stdout.write(f"run directory: {plan.run_dir}\n")
     sys.stdout.flush()
-    supervisor = ProcessSupervisor(process_specs(config, plan, free_port()))
+    core_share = create_share_file(len(plan.workers)) if config.share_idle_cores else None
+    try:
+        return _supervise(ProcessSupervisor(process_specs(config, plan, free_port(), core_share)))
+    finally:
+        if core_share is not None:
+            core_share.unlink(missing_ok=True)
+
+
+def _supervise(supervisor: ProcessSupervisor) -> int:
     try:
         supervisor.start()
         return supervisor.wait()

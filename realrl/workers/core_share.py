@@ -14,9 +14,9 @@ its share changed, so a lent core is taken back within one layer. Reading the by
 well under a microsecond; the thread count only changes when a peer starts or stops.
 
 Decode steps keep their own rule (small ones run on one thread; `realrl.models.generation`),
-and CUDA workers do not use this at all. The file lives in the run directory; the local
-launcher sets it up (`realrl.launcher.run`). Under SLURM each task has its own CPUs, so
-nothing is lent there.
+and CUDA workers do not use this at all. The local launcher creates the file in shared memory
+(`/dev/shm` where there is one) for each launch and removes it at the end
+(`realrl.launcher.run`). Under SLURM each task has its own CPUs, so nothing is lent there.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,18 @@ class CoreShareSpec:
         return cls(Path(path), int(slot), int(slots), int(threads))
 
 
+def create_share_file(slots: int) -> Path:
+    """A new file of `slots` zero bytes (all idle) in node-local shared memory."""
+    shm = Path("/dev/shm")
+    directory = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    fd, path = tempfile.mkstemp(prefix="realrl-cores-", dir=directory)
+    try:
+        os.ftruncate(fd, slots)
+    finally:
+        os.close(fd)
+    return Path(path)
+
+
 class CoreShare:
     """This worker's view of the machine's shared busy flags."""
 
@@ -57,15 +70,11 @@ class CoreShare:
 
         self._torch = torch
         self.spec = spec
-        spec.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(spec.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(spec.path, os.O_RDWR)
         try:
-            if os.fstat(fd).st_size < spec.slots:
-                os.ftruncate(fd, spec.slots)
             self._flags = mmap.mmap(fd, spec.slots)
         finally:
             os.close(fd)
-        self._flags[spec.slot] = 0  # a killed earlier run of this run directory may have left a 1
         self._busy = False
 
     @classmethod

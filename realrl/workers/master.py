@@ -87,8 +87,16 @@ class Master:
             if mfc.name in names and self._is_stale(mfc):
                 owner, layout = self.plan.owner_layout(mfc.model_role), self.plan.layout_of(mfc.name)
                 ranks = sorted(set(transfer_ranks(owner, layout)))
-                for rank in ranks:
-                    await self.rank_locks[rank].acquire()
+                held: list[int] = []
+                try:
+                    for rank in ranks:
+                        await self.rank_locks[rank].acquire()
+                        held.append(rank)
+                    self._raise_background_failure()
+                except BaseException:
+                    for rank in held:
+                        self.rank_locks[rank].release()
+                    raise
                 self.layout_version[layout] = self.role_version[mfc.model_role]
                 self._background.append(asyncio.create_task(
                     self._transfer(owner, layout, 1.0, result, f"realloc/{mfc.name}",

@@ -15,9 +15,9 @@ from realrl.launcher.run import openmp_environment, process_specs
 from realrl.workers.core_share import CoreShareSpec
 
 
-def _specs(tmp_path, n_workers: int, extra: tuple[str, ...] | list[str] = ()):
+def _config(tmp_path, n_workers: int, extra: tuple[str, ...] | list[str] = ()):
     config_class = get_experiment("ppo-math").config_class
-    config = resolve_config(
+    return resolve_config(
         config_class,
         [
             f"output_root={tmp_path}",
@@ -29,7 +29,11 @@ def _specs(tmp_path, n_workers: int, extra: tuple[str, ...] | list[str] = ()):
             *extra,
         ],
     )
-    return process_specs(config, build_plan(config), port=12345)
+
+
+def _specs(tmp_path, n_workers: int, core_share=None):
+    config = _config(tmp_path, n_workers)
+    return process_specs(config, build_plan(config), port=12345, core_share=core_share)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
@@ -54,15 +58,34 @@ def test_processes_sleep_at_openmp_barriers_unless_the_user_chose_a_policy(tmp_p
 
 def test_each_worker_gets_its_own_slot_in_the_machine_core_share(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    specs = {spec.name: spec for spec in _specs(tmp_path, n_workers=2)}
+    specs = {spec.name: spec for spec in _specs(tmp_path, 2, core_share=tmp_path / "cores")}
     assert environment.CORE_SHARE not in specs["master"].env
     shares = [CoreShareSpec.from_env(specs[f"worker{rank}"].env[environment.CORE_SHARE])
               for rank in (0, 1)]
     assert [(share.slot, share.slots, share.threads) for share in shares] == [(0, 2, 1), (1, 2, 1)]
-    assert shares[0].path == shares[1].path
-    assert shares[0].path.parent == specs["master"].log_path.parent.parent
+    assert {share.path for share in shares} == {tmp_path / "cores"}
+    assert all(environment.CORE_SHARE not in spec.env for spec in _specs(tmp_path, 2))
 
 
-def test_share_idle_cores_false_keeps_the_even_split(tmp_path):
-    specs = _specs(tmp_path, n_workers=2, extra=["share_idle_cores=false"])
-    assert all(environment.CORE_SHARE not in spec.env for spec in specs)
+def test_the_launcher_removes_the_core_share_file_and_makes_none_when_off(tmp_path, monkeypatch):
+    from realrl.launcher import run
+
+    made: list = []
+
+    class Stopped(Exception):
+        pass
+
+    def supervisor_that_stops(specs):  # the run ends before any process starts
+        made.extend(CoreShareSpec.from_env(spec.env[environment.CORE_SHARE]).path
+                    for spec in specs if environment.CORE_SHARE in spec.env)
+        raise Stopped
+
+    monkeypatch.setattr(run, "ProcessSupervisor", supervisor_that_stops)
+    monkeypatch.setattr(run, "check_dataset", lambda config, plan: None)
+    for extra, expected in (([], 1), (["share_idle_cores=false"], 0)):
+        made.clear()
+        config = _config(tmp_path / str(expected), 2, extra)
+        with pytest.raises(Stopped):
+            run.run_experiment(config)
+        assert len(set(made)) == expected
+        assert not any(path.exists() for path in made)

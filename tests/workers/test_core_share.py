@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from realrl.models.config import ModelConfig
 from realrl.models.generation import generate
 from realrl.models.sampling import GenerationConfig
 from realrl.models.transformer import Transformer
-from realrl.workers.core_share import CoreShare, CoreShareSpec
+from realrl.workers.core_share import CoreShare, CoreShareSpec, create_share_file
 
 
 @pytest.fixture
@@ -24,7 +26,20 @@ def restore_threads():
 
 
 def _share(tmp_path, slot: int, slots: int = 3, threads: int = 1) -> CoreShare:
-    return CoreShare(CoreShareSpec(tmp_path / "core-share", slot, slots, threads))
+    path = tmp_path / "core-share"
+    if not path.exists():
+        path.write_bytes(bytes(slots))
+    return CoreShare(CoreShareSpec(path, slot, slots, threads))
+
+
+def test_the_launcher_file_starts_all_idle_in_shared_memory():
+    path = create_share_file(3)
+    try:
+        assert path.read_bytes() == bytes(3)
+        if os.access("/dev/shm", os.W_OK):
+            assert path.parent == Path("/dev/shm")
+    finally:
+        path.unlink()
 
 
 def test_spec_round_trips_through_the_environment_value(tmp_path):
@@ -57,7 +72,7 @@ def test_the_flags_are_shared_between_processes(tmp_path, restore_threads):
     child = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from realrl.workers.core_share import CoreShare, CoreShareSpec
+        from realrl.workers.core_share import CoreShare, CoreShareSpec, create_share_file
         share = CoreShare(CoreShareSpec(Path({str(tmp_path / "core-share")!r}), 1, 2, 1))
         with share.busy():
             print("busy", flush=True)
@@ -115,11 +130,3 @@ def test_decode_steps_do_not_call_back():
     generate(model, torch.randint(0, 32, (7,)), torch.tensor([0, 3, 7]), config,
              torch.Generator().manual_seed(0))
     assert len(calls) == 3
-
-
-def test_a_restarted_worker_clears_the_flag_a_killed_run_left(tmp_path, restore_threads):
-    (tmp_path / "core-share").write_bytes(b"\x01\x01")  # both workers died mid-request
-    first = _share(tmp_path, 0, slots=2)
-    _share(tmp_path, 1, slots=2)
-    with first.busy():
-        assert torch.get_num_threads() == 2
