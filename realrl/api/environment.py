@@ -11,5 +11,8 @@ NUM_THREADS = "REALRL_NUM_THREADS"
 # Set by the local launcher for model workers: the file through which idle workers lend their
 # CPU threads to busy ones (`realrl.workers.core_share`).
 CORE_SHARE = "REALRL_CORE_SHARE"
+# Set by the local launcher for the master: that file, which the master removes once every
+# worker has mapped it.
+CORE_SHARE_FILE = "REALRL_CORE_SHARE_FILE"
 # Where the built-in default model is built and cached; default ~/.cache/realrl.
 CACHE = "REALRL_CACHE"

@@ -123,8 +123,9 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int,
     common = [sys.executable, "-m", "realrl.launcher.entry", "--run-dir", str(run_dir),
               "--store", f"127.0.0.1:{port}", "--world-size", str(config.n_workers)]
     env = {environment.RUN_DIR: str(run_dir), "PYTHONUNBUFFERED": "1", **openmp_environment()}
-    specs = [ProcessSpec("master", common + ["master"], env, run_dir / "logs" / "master.log",
-                         "[master]", num_threads=1)]
+    master_env = env if core_share is None else env | {environment.CORE_SHARE_FILE: str(core_share)}
+    specs = [ProcessSpec("master", common + ["master"], master_env,
+                         run_dir / "logs" / "master.log", "[master]", num_threads=1)]
     for worker in plan.workers:
         roles = " ".join(worker.roles) or "idle"
         worker_env = env

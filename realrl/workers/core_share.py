@@ -15,8 +15,8 @@ well under a microsecond; the thread count only changes when a peer starts or st
 
 Decode steps keep their own rule (small ones run on one thread; `realrl.models.generation`),
 and CUDA workers do not use this at all. The local launcher creates the file in shared memory
-(`/dev/shm` where there is one) for each launch and removes it at the end
-(`realrl.launcher.run`). Under SLURM each task has its own CPUs, so nothing is lent there.
+(`/dev/shm` where there is one) for each launch (`realrl.launcher.run`); the master removes it
+as soon as every worker has mapped it, and the launcher at the latest when the run ends. Under SLURM each task has its own CPUs, so nothing is lent there.
 """
 
 from __future__ import annotations
@@ -60,6 +60,14 @@ def create_share_file(slots: int) -> Path:
     finally:
         os.close(fd)
     return Path(path)
+
+
+def unlink_mapped_share_file() -> None:
+    """The master's part: remove the launcher's file once every worker is ready (and so has
+    mapped it). The mappings stay valid, and a launcher killed later leaves nothing behind."""
+    path = os.environ.get(environment.CORE_SHARE_FILE)
+    if path:
+        Path(path).unlink(missing_ok=True)
 
 
 class CoreShare:

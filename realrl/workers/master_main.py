@@ -18,6 +18,7 @@ from realrl.api.config import RecoverMode
 from realrl.api.experiment import ModelKind
 from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import recovery
+from realrl.workers.core_share import unlink_mapped_share_file
 from realrl.workers.data_source import DataSource
 from realrl.workers.master import Master, StepResult
 from realrl.workers.metrics_log import MetricsLogger
@@ -142,6 +143,7 @@ def run_master(run_dir: Path, rendezvous: Rendezvous, world_size: int) -> int:
     addresses = {rank: rendezvous.wait_for(f"worker/{rank}/address") for rank in range(world_size)}
     for rank in range(world_size):
         rendezvous.wait_for(f"worker/{rank}/ready")
+    unlink_mapped_share_file()
     logger.info("all %d workers ready", world_size)
     asyncio.run(_main_loop(run_dir, plan, addresses))
     logger.info("run finished: %s", run_dir)

@@ -60,6 +60,8 @@ def test_each_worker_gets_its_own_slot_in_the_machine_core_share(tmp_path, monke
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     specs = {spec.name: spec for spec in _specs(tmp_path, 2, core_share=tmp_path / "cores")}
     assert environment.CORE_SHARE not in specs["master"].env
+    # The master removes the file once the workers have mapped it.
+    assert specs["master"].env[environment.CORE_SHARE_FILE] == str(tmp_path / "cores")
     shares = [CoreShareSpec.from_env(specs[f"worker{rank}"].env[environment.CORE_SHARE])
               for rank in (0, 1)]
     assert [(share.slot, share.slots, share.threads) for share in shares] == [(0, 2, 1), (1, 2, 1)]

@@ -11,11 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from realrl.api import environment
 from realrl.models.config import ModelConfig
 from realrl.models.generation import generate
 from realrl.models.sampling import GenerationConfig
 from realrl.models.transformer import Transformer
-from realrl.workers.core_share import CoreShare, CoreShareSpec, create_share_file
+from realrl.workers.core_share import (
+    CoreShare,
+    CoreShareSpec,
+    create_share_file,
+    unlink_mapped_share_file,
+)
 
 
 @pytest.fixture
@@ -67,12 +73,13 @@ def test_a_busy_worker_takes_the_threads_of_idle_peers_and_gives_them_back(
     assert torch.get_num_threads() == 2
 
 
-def test_the_flags_are_shared_between_processes(tmp_path, restore_threads):
-    """A peer in another process going busy takes its threads back from this one."""
+def test_the_flags_are_shared_between_processes(tmp_path, restore_threads, monkeypatch):
+    """A peer in another process going busy takes its threads back from this one, also after
+    the master removed the file that both had mapped."""
     child = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from realrl.workers.core_share import CoreShare, CoreShareSpec, create_share_file
+        from realrl.workers.core_share import CoreShare, CoreShareSpec
         share = CoreShare(CoreShareSpec(Path({str(tmp_path / "core-share")!r}), 1, 2, 1))
         with share.busy():
             print("busy", flush=True)
@@ -86,6 +93,9 @@ def test_the_flags_are_shared_between_processes(tmp_path, restore_threads):
     try:
         with share.busy():
             assert peer.stdout.readline().strip() == "busy"
+            monkeypatch.setenv(environment.CORE_SHARE_FILE, str(tmp_path / "core-share"))
+            unlink_mapped_share_file()
+            assert not (tmp_path / "core-share").exists()
             share.rebalance()
             assert torch.get_num_threads() == 1
             peer.stdin.write("\n")
