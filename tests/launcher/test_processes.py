@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher_helpers import default_sigint
 
 from realrl.launcher.processes import ProcessFailure, ProcessSpec, ProcessSupervisor
 
@@ -211,7 +212,8 @@ def supervisor_process(tmp_path):
     script = tmp_path / "supervisor.py"
     script.write_text(SUPERVISOR_SCRIPT)
     supervisor = subprocess.Popen(
-        [PYTHON, str(script), str(tmp_path)], env={**os.environ, **CHILD_ENV}
+        [PYTHON, str(script), str(tmp_path)], env={**os.environ, **CHILD_ENV},
+        preexec_fn=default_sigint,
     )
     try:
         child_pids = list(json.loads(_read_when_written(tmp_path / "pids.json")).values())

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher_helpers import default_sigint
 
 
 def _slurm_reachable() -> bool:
@@ -44,7 +45,7 @@ def start_cli(tmp_path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "realrl.apps.quickstart", *args, f"output_root={tmp_path}"],
         cwd=tmp_path, env=env, stdout=open(tmp_path / "stdout.txt", "w"),
-        stderr=open(tmp_path / "stderr.txt", "w"),
+        stderr=open(tmp_path / "stderr.txt", "w"), preexec_fn=default_sigint,
     )
 
 
