@@ -71,16 +71,16 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 GRPO_OVERRIDES = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"]
 PPO_OVERRIDES = ["ppo.adv_estimator=gae", "ppo.kl_ctl=0.1"]
+PIPELINED_OVERRIDES = [*GRPO_OVERRIDES, "gen.compile=true", "actor.compile=true",
+                       "pipeline_rollout=true", "n_devices_per_node=2"]
 # Each realrl system's overrides; they come last on the command line, so they win.
 REALRL_SYSTEMS = {
     "realrl-grpo": GRPO_OVERRIDES,
     "realrl-grpo-compiled": [*GRPO_OVERRIDES, "gen.compile=true", "actor.compile=true"],
-    "realrl-grpo-pipelined": [*GRPO_OVERRIDES, "gen.compile=true", "actor.compile=true",
-                              "pipeline_rollout=true", "n_devices_per_node=2"],
+    "realrl-grpo-pipelined": PIPELINED_OVERRIDES,
+    "realrl-grpo-pipelined-noshare": [*PIPELINED_OVERRIDES, "share_idle_cores=false"],
     "realrl-ppo": PPO_OVERRIDES,
 }
-PIPELINED = REALRL_SYSTEMS["realrl-grpo-pipelined"]
-REALRL_SYSTEMS["realrl-grpo-pipelined-noshare"] = [*PIPELINED, "share_idle_cores=false"]
 REALRL_GRPO = ("realrl-grpo", "realrl-grpo-compiled", "realrl-grpo-pipelined",
                "realrl-grpo-pipelined-noshare")
 ALL_SYSTEMS = (*REALRL_GRPO, "loop", "trl", "realrl-ppo")

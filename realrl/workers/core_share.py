@@ -16,7 +16,8 @@ well under a microsecond; the thread count only changes when a peer starts or st
 Decode steps keep their own rule (small ones run on one thread; `realrl.models.generation`),
 and CUDA workers do not use this at all. The local launcher creates the file in shared memory
 (`/dev/shm` where there is one) for each launch (`realrl.launcher.run`); the master removes it
-as soon as every worker has mapped it, and the launcher at the latest when the run ends. Under SLURM each task has its own CPUs, so nothing is lent there.
+as soon as every worker has mapped it, and the launcher at the latest when the run ends.
+Under SLURM each task has its own CPUs, so nothing is lent there.
 """
 
 from __future__ import annotations

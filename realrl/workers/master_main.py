@@ -109,8 +109,9 @@ async def _pipelined_steps(master: Master, data: DataSource, steps: range,
 
     Each step waits for its rollout, starts bringing the rollout layouts up to the newest
     weights (the train ranks only start sending them), then trains while the next rollout runs
-    on the weights it just received: one train step old. No rollout runs ahead of a checkpoint, so the data position
-    a checkpoint records is exact and a resumed run goes on from there.
+    on the weights it just received: one train step old. No rollout runs ahead of a
+    checkpoint, so the data position a checkpoint records is exact and a resumed run goes on
+    from there.
     """
     def start_rollout() -> asyncio.Task:
         return asyncio.create_task(master.run_rollout(data.next_batch(), data.next_batch))
