@@ -22,13 +22,23 @@ masking applied) are returned as `packed_sampling_logprobs` when asked for.
 Speed. At small model sizes a decode step is bound by per-op overhead and by streaming the
 weights from memory, not by arithmetic, so a decode step issues few ops: fused qkv and
 gate/up projections, one rotary call for queries and keys together, cos/sin precomputed for
-every step, weights multiplied in their transposed [in, out] layout on CPU
-(`Transformer.transposed_weights`), one exp over the vocabulary per step shared by the
+every step, activations kept features-first on CPU (see below), one exp over the vocabulary
+per step shared by the
 log-probs and the sampler, inverse-CDF sampling (one uniform per row; two-level for large
 vocabularies), and a host sync ("all done?") only every `check_done_every` steps. Finished
 rows keep decoding (their tokens are ignored): cheaper than compacting the batch at these
 sizes. Small decode steps run on one CPU thread (`SINGLE_THREAD_DECODE_MAX_WORK`): their
 matmuls are too small to split.
+
+Features-first decoding on CPU. A decode step multiplies a few rows by every weight, and
+streaming the weights through the cache is most of its matmul time. On CPU (tensor-parallel
+size 1) the step keeps its activations as [features, rows] and multiplies the weights in their
+stored [out, in] layout from the left, `weight @ hidden`, which MKL streams faster than either
+`hidden @ weight.T` or `hidden @ (a transposed copy of weight)`. Measured on one thread over
+the 20 weights of the benchmark model (5 layers, hidden 256): 16 rows 3.0 -> 2.3 ms per step,
+32 rows 5.4 -> 4.4 ms; a whole compiled generate call of 16 rows x 32 tokens 0.20 -> 0.16 s.
+It also needs no transposed copy of the weights, which cost ~11 ms per call. GPUs and
+tensor-parallel shards run the blocks as they are (`Block.forward`).
 
 Compiled decoding (`GenerationConfig.compile`). Every decode step attends over all cache
 columns under a mask, so its shapes never change within a call, and `torch.compile` builds
@@ -52,13 +62,14 @@ import torch.nn.functional as F
 
 from realrl.models.attention import PackedLayout, varlen_attention
 from realrl.models.compiled import explain_compile_failure
+from realrl.models.layers import apply_rotary
 from realrl.models.sampling import (
     GenerationConfig,
     GenerationOutput,
     choose_tokens,
     pack_outputs,
 )
-from realrl.models.transformer import Transformer
+from realrl.models.transformer import Block, Transformer
 
 __all__ = ["GenerationConfig", "GenerationOutput", "generate"]
 
@@ -146,10 +157,49 @@ def _decode_step(
         scores.add_(bias)
         return torch.matmul(scores.softmax(-1), layer_values).flatten(1, 2)
 
-    hidden = model.embedding(tokens)
+    if model.device.type != "cpu" or model.tp_size != 1:
+        hidden = model.embedding(tokens)
+        for layer in model.layers:
+            hidden = layer(hidden, cos, sin, attend)
+        return model.head(model.final_norm(hidden)).float()
+    hidden = F.embedding(tokens, model.embedding.weight).t()  # [hidden, rows]
     for layer in model.layers:
-        hidden = layer(hidden, cos, sin, attend)
-    return model.head(model.final_norm(hidden)).float()
+        hidden = _features_first_block(layer, hidden, cos, sin, attend)
+    final_norm = model.final_norm
+    normed = _features_first_rms_norm(hidden, final_norm.weight, final_norm.eps)
+    head = model.embedding if model.lm_head is None else model.lm_head
+    return torch.mm(head.weight, normed).t().float().contiguous()  # [rows, vocab]
+
+
+def _features_first_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float):
+    """`rms_norm` of hidden [features, rows] over its features."""
+    normed = hidden.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(0, keepdim=True) + eps)
+    return weight[:, None] * normed.to(hidden.dtype)
+
+
+def _features_first_block(
+    block: Block,
+    hidden: torch.Tensor,  # [hidden, rows]
+    cos: torch.Tensor,  # [rows, 1, head_dim]
+    sin: torch.Tensor,
+    attend,
+) -> torch.Tensor:
+    """`Block.forward` on features-first activations -> [hidden, rows] (CPU decode only)."""
+    attention, mlp = block.attention, block.mlp
+    heads, kv_heads = attention.num_heads, attention.num_kv_heads
+    normed = _features_first_rms_norm(hidden, block.attention_norm.weight, block.attention_norm.eps)
+    qkv = torch.mm(attention.qkv.weight, normed)  # [(heads + 2 * kv_heads) * head_dim, rows]
+    if attention.qkv.bias is not None:
+        qkv = qkv + attention.qkv.bias[:, None]
+    qkv = qkv.t().unflatten(-1, (heads + 2 * kv_heads, attention.head_dim))
+    query_key, value = qkv.split([heads + kv_heads, kv_heads], -2)
+    query, key = apply_rotary(query_key, cos, sin).split([heads, kv_heads], -2)
+    attended = attend(block.layer_index, query, key, value)  # [rows, heads, head_dim]
+    hidden = hidden + torch.mm(attention.output.weight, attended.flatten(1).t())
+    normed = _features_first_rms_norm(hidden, block.mlp_norm.weight, block.mlp_norm.eps)
+    gate, up = torch.mm(mlp.gate_up.weight, normed).split(mlp.local_intermediate, 0)
+    return hidden + torch.mm(mlp.down.weight, F.silu(gate) * up)
 
 
 # Compiled decode steps pad the cache to a multiple of this many columns, so that prompts of
@@ -313,7 +363,7 @@ def generate(
     )
     tokens = record.sample(logits, config, stop_tensor, generator)
     decode = _decode_function(model, config.compile)
-    with _decode_threads(model, len(row_prompt_lens)), model.transposed_weights():
+    with _decode_threads(model, len(row_prompt_lens)):
         for step in range(1, max_new):
             if record.all_finished(config.check_done_every, bool(stop_ids)):
                 break

@@ -41,26 +41,6 @@ class LayerFactory(Protocol):
     def lm_head(self, in_features: int, vocab_size: int) -> nn.Module: ...
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` that can multiply by a cached transposed copy of its weight.
-
-    `F.linear` multiplies by the [out, in] weight transposed. For the few rows of a decode step
-    that layout is slow in MKL on CPU; measured here on one thread with 32 rows: [in, out]
-    stored contiguously runs at 115-131 GFLOP/s where `F.linear` reaches 81-87 GFLOP/s, and
-    27 GFLOP/s for a 1024 -> 128 projection. With thousands of rows (training) both layouts
-    are equally fast. `Transformer.transposed_weights()` fills `weight_t` for a decode loop.
-    """
-
-    weight_t: torch.Tensor | None = None  # [in, out], a detached copy; None: use `weight`
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is None or hidden.dim() != 2:
-            return F.linear(hidden, self.weight, self.bias)
-        if self.bias is None:
-            return torch.mm(hidden, self.weight_t)
-        return torch.addmm(self.bias, hidden, self.weight_t)
-
-
 class PlainLayerFactory:
     """Single-device layers."""
 
@@ -69,13 +49,13 @@ class PlainLayerFactory:
     def linear(
         self, in_features: int, out_features: int, bias: bool, kind: LinearKind
     ) -> nn.Module:
-        return Linear(in_features, out_features, bias=bias)
+        return nn.Linear(in_features, out_features, bias=bias)
 
     def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module:
         return nn.Embedding(num_embeddings, embedding_dim)
 
     def lm_head(self, in_features: int, vocab_size: int) -> nn.Module:
-        return Linear(in_features, vocab_size, bias=False)
+        return nn.Linear(in_features, vocab_size, bias=False)
 
 
 class RMSNorm(nn.Module):

@@ -11,9 +11,8 @@ reads from its key/value cache. So both paths share every weight and every line 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,7 +23,6 @@ from realrl.models.attention import PackedLayout, varlen_attention
 from realrl.models.config import ModelConfig
 from realrl.models.layers import (
     LayerFactory,
-    Linear,
     PlainLayerFactory,
     RMSNorm,
     RotaryTable,
@@ -133,7 +131,6 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryTable(config)
         self.lm_head: nn.Module | None = None
-        self.tied_head_t: torch.Tensor | None = None  # see transposed_weights()
         self.value_head: nn.Linear | None = None
         if config.is_critic:
             # Zero init: a fresh critic predicts 0 for every token and is trained from there.
@@ -170,8 +167,6 @@ class Transformer(nn.Module):
             return self.value_head(hidden).squeeze(-1).float()
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        if self.tied_head_t is not None and hidden.dim() == 2:
-            return torch.mm(hidden, self.tied_head_t)
         if isinstance(self.embedding, nn.Embedding):
             return F.linear(hidden, self.embedding.weight)
         return self.embedding.tied_logits(hidden)  # a vocab-parallel embedding gathers the logits
@@ -200,29 +195,6 @@ class Transformer(nn.Module):
             return varlen_attention(query, key, value, layout, window, kernel)
 
         return self.head(self.hidden_states(packed_input_ids, position_ids, attend))
-
-    @contextlib.contextmanager
-    def transposed_weights(self) -> Iterator[None]:
-        """Multiply by [in, out] copies of the weights while inside (CPU only; see `Linear`).
-
-        For loops of small matmuls that do not change the weights (decoding). The copies cost
-        one more model's worth of matmul weights and are dropped on exit. On other devices
-        this does nothing: their GEMMs take either layout at full speed.
-        """
-        if self.device.type != "cpu":
-            yield
-            return
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for linear in linears:
-            linear.weight_t = linear.weight.detach().t().contiguous()
-        if self.lm_head is None and isinstance(self.embedding, nn.Embedding):
-            self.tied_head_t = self.embedding.weight.detach().t().contiguous()
-        try:
-            yield
-        finally:
-            for linear in linears:
-                linear.weight_t = None
-            self.tied_head_t = None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -14,7 +14,7 @@ import torch
 from tiny_hf_models import random_packed_batch, save_hf
 
 from realrl.models.checkpoint import load_pretrained
-from realrl.models.generation import GenerationConfig, generate
+from realrl.models.generation import GenerationConfig, _features_first_block, generate
 
 PROMPT_LENGTHS = [5, 9, 2, 6]
 EOS = 3
@@ -276,18 +276,29 @@ def test_compiled_decode_step_matches_the_eager_one(models, prompts):
     assert model.compiled_decode_step is not None
 
 
-def test_transposed_weights_give_the_same_outputs_and_are_dropped_on_exit(models, prompts):
+def test_the_features_first_cpu_decode_block_equals_the_block_forward(models):
+    # CPU decode steps keep activations [features, rows]; GPUs and tensor-parallel shards run
+    # `Block.forward` on [rows, features]. Same block, same inputs: the same outputs.
     _, model = models
-    packed, cu_seqlens = prompts
+    rows, config = 6, model.config
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, config.hidden_size, generator=generator)
+    model.rotary.ensure_capacity(32, model.device)
+    cos, sin = model.rotary.lookup(torch.randint(0, 32, (rows,), generator=generator), model.dtype)
+    seen = {}
+
+    def attend(layer_index, query, key, value):
+        seen.setdefault("shapes", []).append((query.shape, key.shape, value.shape))
+        group = query.shape[1] // key.shape[1]
+        return query * key.repeat_interleave(group, 1).sigmoid() + value.repeat_interleave(group, 1)
+
+    block = model.layers[1]
     with torch.no_grad():
-        expected = model(packed, cu_seqlens)
-        with model.transposed_weights():
-            assert all(
-                m.weight_t is not None for m in model.modules() if hasattr(m, "weight_t")
-            )
-            transposed = model(packed, cu_seqlens)
-    assert (transposed - expected).abs().max() <= 1e-5
-    assert all(getattr(m, "weight_t", None) is None for m in model.modules())
+        expected = block(hidden, cos, sin, attend)
+        features_first = _features_first_block(block, hidden.t(), cos, sin, attend)
+    assert features_first.shape == (config.hidden_size, rows)
+    assert seen["shapes"][0] == seen["shapes"][1]
+    assert (features_first.t() - expected).abs().max() <= 1e-5
 
 
 def test_compiled_decode_without_a_cpp_compiler_says_what_to_do(tmp_path):
@@ -298,7 +309,7 @@ def test_compiled_decode_without_a_cpp_compiler_says_what_to_do(tmp_path):
         import torch
         from tiny_hf_models import save_hf
         from realrl.models.checkpoint import load_pretrained
-        from realrl.models.generation import GenerationConfig, generate
+        from realrl.models.generation import GenerationConfig, _features_first_block, generate
 
         save_hf({str(tmp_path / "model")!r}, "qwen2", eos_token_id=3)
         model = load_pretrained({str(tmp_path / "model")!r})
