@@ -13,6 +13,13 @@ How: the workers of one machine share a small memory-mapped file with one byte p
 its share changed, so a lent core is taken back within one layer. Reading the bytes costs
 well under a microsecond; the thread count only changes when a peer starts or stops.
 
+Compiled code (`gen.compile`, `<role>.compile`) is guarded on the thread count: dynamo
+compiles a function once more for every thread count it is called with, and past
+`torch._dynamo.config.recompile_limit` variants (8) it would run that function eagerly from
+then on. A worker here can run at `slots` different counts, so it raises that limit to
+`8 * slots` (16 with two workers); each further count compiles once, the first time it occurs
+(~0.3 s with inductor's cache warm).
+
 Decode steps keep their own rule (small ones run on one thread; `realrl.models.generation`),
 and CUDA workers do not use this at all. The local launcher creates the file in shared memory
 (`/dev/shm` where there is one) for each launch (`realrl.launcher.run`); the master removes it
@@ -71,6 +78,10 @@ def unlink_mapped_share_file() -> None:
         Path(path).unlink(missing_ok=True)
 
 
+# Dynamo's default recompile limit, kept for each thread count a worker can run at.
+RECOMPILE_LIMIT_PER_COUNT = 8
+
+
 class CoreShare:
     """This worker's view of the machine's shared busy flags."""
 
@@ -85,6 +96,8 @@ class CoreShare:
         finally:
             os.close(fd)
         self._busy = False
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT_PER_COUNT * spec.slots)
 
     @classmethod
     def from_environment(cls) -> CoreShare | None:

@@ -73,6 +73,41 @@ def test_a_busy_worker_takes_the_threads_of_idle_peers_and_gives_them_back(
     assert torch.get_num_threads() == 2
 
 
+@pytest.fixture
+def restore_recompile_limit():
+    limit = torch._dynamo.config.recompile_limit
+    yield
+    torch._dynamo.config.recompile_limit = limit
+
+
+def test_compiled_code_keeps_a_graph_for_every_thread_count_a_worker_can_run_at(
+    tmp_path, restore_threads, restore_recompile_limit
+):
+    # Dynamo guards compiled code on the thread count, so a worker that runs at `slots`
+    # counts needs room for that many variants of each function beyond dynamo's default 8.
+    torch._dynamo.config.recompile_limit = 8
+    share = _share(tmp_path, 0, slots=5)
+    assert torch._dynamo.config.recompile_limit == 40
+    compiles = []
+
+    def counting_backend(graph, example_inputs):
+        compiles.append(torch.get_num_threads())
+        return graph.forward
+
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: x * 2, backend=counting_backend)
+    x = torch.ones(3)
+    counts = [1, 2, 3, 4, 5] * 2
+    for threads in counts:
+        for grad in (True, False):  # grad mode is guarded too: 10 variants in all
+            torch.set_num_threads(threads)
+            with torch.set_grad_enabled(grad):
+                assert torch.equal(double(x), x * 2)
+    assert sorted(compiles) == sorted(counts[:5] * 2)  # compiled once each, none run eagerly
+    share.close()
+    torch._dynamo.reset()
+
+
 def test_the_flags_are_shared_between_processes(tmp_path, restore_threads, monkeypatch):
     """A peer in another process going busy takes its threads back from this one, also after
     the master removed the file that both had mapped."""
