@@ -290,7 +290,12 @@ def _decode_function(model: Transformer, compile_step: bool):
         return functools.partial(_decode_step, model)
     compiled = getattr(model, "compiled_decode_step", None)
     if compiled is None:
-        step = torch.compile(functools.partial(_decode_step, model), fullgraph=True, dynamic=None)
+        # On CPU the compiled code's wrapper, which calls its ~100 kernels and matmuls per
+        # step, is C++ rather than Python: a generate call 5-6% faster, ~3 s more to compile.
+        options = {"cpp_wrapper": True} if model.device.type == "cpu" else None
+        step = torch.compile(
+            functools.partial(_decode_step, model), fullgraph=True, dynamic=None, options=options
+        )
 
         def compiled(*args):
             with explain_compile_failure("gen.compile", "the decode step"):
