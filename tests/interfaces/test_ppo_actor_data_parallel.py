@@ -6,6 +6,7 @@ and gradient sums span the data-parallel group, so the split must not change the
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,6 +14,7 @@ from conftest import EOS_ID, build_model, make_engine, rollout_batch
 
 from realrl.api.dfg import MicroBatchSpec
 from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
+from realrl.backends import torch_engine
 from realrl.backends.torch_engine import ParallelContext
 from realrl.interfaces.configs import PPOActorConfig
 from realrl.interfaces.ppo_actor import PPOActorInterface
@@ -70,8 +72,10 @@ def _train(parallel: ParallelContext, sample_indices: list[int]) -> dict[str, tu
     return results
 
 
-def _worker(rank: int, rendezvous: str, output: str) -> None:
+def _worker(rank: int, rendezvous: str, output: str, bucket_bytes: int | None) -> None:
     torch.set_num_threads(1)
+    if bucket_bytes is not None:
+        torch_engine.GRADIENT_BUCKET_BYTES = bucket_bytes
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         group = dist.new_group([0, 1])
@@ -82,11 +86,16 @@ def _worker(rank: int, rendezvous: str, output: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path):
+# None: the default bucket size (one bucket for this tiny model); 2 KiB: a bucket per few
+# parameters, so that all-reduces start during the backward, in order.
+@pytest.mark.parametrize("bucket_bytes", [None, 2048])
+def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path, bucket_bytes):
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     output = str(tmp_path / "result")
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2, join=True)
+    mp.spawn(
+        _worker, args=(str(tmp_path / "rendezvous"), output, bucket_bytes), nprocs=2, join=True
+    )
     single = _train(ParallelContext(), [0, 1, 2, 3])
     ranks = [torch.load(f"{output}.rank{rank}", weights_only=False) for rank in range(2)]
     for mode in MODES:
@@ -107,3 +116,49 @@ def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path):
             ):
                 assert abs(rank_stats[name] - stats[name]) < 1e-5, (mode, name)
         assert stats["num_sequences"] == 8
+
+
+def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
+    torch.set_num_threads(1)
+    torch_engine.GRADIENT_BUCKET_BYTES = 2048
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    try:
+        parallel = ParallelContext(dp_rank=rank, dp_size=2, dp_group=dist.new_group([0, 1]))
+        engine = make_engine(build_model(VOCAB_SIZE), None, lr=1e-3, parallel=parallel)
+        embedding = engine.module.embedding.weight
+        launched_before_last = []
+        # Registered before the engine's own hooks, so it runs first: how many buckets had
+        # started when the backward finished its last gradient (the embedding's)?
+        embedding.register_post_accumulate_grad_hook(
+            lambda _: launched_before_last.append(engine.gradient_buckets.launched)
+        )
+        ids = torch.arange(12) % VOCAB_SIZE + rank
+        cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+
+        def loss_fn(module, _):
+            return module(ids, cu_seqlens).float().square().mean(), {}
+
+        engine.train_microbatches([None, None], loss_fn)
+        buckets = engine.gradient_buckets
+        torch.save(
+            {
+                "launched_before_last": launched_before_last,
+                "num_buckets": len(buckets.buckets),
+                "grads": torch.cat([p.grad.reshape(-1) for p in engine.module.parameters()]),
+            },
+            f"{output}.rank{rank}",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradient_all_reduces_start_during_the_backward(tmp_path):
+    output = str(tmp_path / "result")
+    mp.spawn(_overlap_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2, join=True)
+    ranks = [torch.load(f"{output}.rank{rank}") for rank in range(2)]
+    for result in ranks:
+        assert result["num_buckets"] > 3
+        # Only the last microbatch's backward sends: once, with all but the last buckets out.
+        assert len(result["launched_before_last"]) == 2
+        assert 0 < result["launched_before_last"][1] < result["num_buckets"]
+    assert torch.equal(ranks[0]["grads"], ranks[1]["grads"])  # both hold the sum
