@@ -56,6 +56,9 @@ class Master:
         self.role_version = {role: 0 for role in plan.models}
         self.layout_version = {layout: 0 for layout in plan.layouts()}
         self._background: list[asyncio.Task] = []  # transfers started by `refresh`
+        # Their failures, recorded before the failed rank's lock is given back, so that the
+        # next request on that rank stops instead of running on weights that never arrived.
+        self._background_errors: list[Exception] = []
 
     # ------------------------------------------------------------------ one step
 
@@ -247,16 +250,20 @@ class Master:
             yield
 
     def _raise_background_failure(self) -> None:
-        """Re-raise the error of a finished background transfer; forget the successful ones."""
+        """Raise the first failure of a background transfer; forget the finished ones."""
         done = [task for task in self._background if task.done()]
         self._background = [task for task in self._background if not task.done()]
         for task in done:
-            task.result()
+            task.result()  # a failure outside the ranks' requests (theirs are recorded)
+        if self._background_errors:
+            error, self._background_errors = self._background_errors[0], []
+            raise error
 
     async def drain(self) -> None:
         """Wait for the background transfers (before checkpoints and at the end of the run)."""
-        while self._background:
-            await self._background.pop(0)
+        if self._background:
+            await asyncio.wait(self._background)
+        self._raise_background_failure()
 
     async def _transfer(self, source: LayoutKey, target: LayoutKey, eta: float,
                         result: StepResult, label: str, release_locks: bool = False) -> None:
@@ -271,6 +278,10 @@ class Master:
         async def on_rank(rank: int) -> None:
             try:
                 await self._request(rank, Message("transfer", header))
+            except Exception as error:
+                if not release_locks:
+                    raise
+                self._background_errors.append(error)  # seen by the lock's next holder
             finally:
                 if release_locks:
                     self.rank_locks[rank].release()
