@@ -20,8 +20,9 @@ temperature 1. Systems:
 
 Each configuration runs `--repeats` times in fresh processes, interleaved (system by system
 inside each repeat) so that load from other users of the machine hits all systems alike.
-The first `--warmup` steps of every run are dropped. Reported per system: seconds per step
-(median of per-run medians, with min-max over runs), the split into generate / inference /
+The first `--warmup` steps of every run are dropped, and so is a pipelined run's last step,
+which trains with no rollout beside it (not the steady state). Reported per system: seconds per
+step (median of per-run medians, with min-max over runs), the split into generate / inference /
 train / other (for realrl "other" is step time minus the worker-side compute of every MFC:
 transport, splitting, merging and reallocation), generated tokens/s, model FLOP/s against the
 fp32 and bf16 matmul ceilings measured at the start of the same run, and peak resident memory
@@ -83,6 +84,7 @@ REALRL_SYSTEMS = {
 }
 REALRL_GRPO = ("realrl-grpo", "realrl-grpo-compiled", "realrl-grpo-pipelined",
                "realrl-grpo-pipelined-noshare")
+PIPELINED_SYSTEMS = ("realrl-grpo-pipelined", "realrl-grpo-pipelined-noshare")
 ALL_SYSTEMS = (*REALRL_GRPO, "loop", "trl", "realrl-ppo")
 INFERENCE_MFCS = ("rew_inf", "ref_inf", "critic_inf")
 TRAIN_MFCS = ("actor_train", "critic_train")
@@ -190,6 +192,8 @@ def run_one(args, system: str, mode: str, dtype: str, repeat: int) -> dict:
     else:
         rows = [json.loads(line) for line in output.read_text().splitlines()]
     measured = [row for row in rows if row["step"] > args.warmup]
+    if system in PIPELINED_SYSTEMS:  # its last step trains with no next rollout beside it
+        measured = [row for row in measured if row["step"] < args.steps]
     logger.info("%s %s: %s s/step (load %.1f)", system, trial,
                 [round(row["step_s"], 2) for row in measured], load_before)
     return {"system": system, "mode": mode, "dtype": dtype, "repeat": repeat,

@@ -163,8 +163,8 @@ class GradientBuckets:
         for work in self.works:
             work.wait()
         for flat, members in zip(self.buckets, self.members):
-            end = flat.data_ptr() + flat.numel() * flat.element_size()
-            if any(p.grad is None or not flat.data_ptr() <= p.grad.data_ptr() < end for p in members):
+            start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+            if any(p.grad is None or not start <= p.grad.data_ptr() < end for p in members):
                 raise RuntimeError(
                     "a parameter's .grad was replaced during the step, so its bucket's "
                     "data-parallel sum missed it; only TorchEngine may set gradients"
