@@ -61,12 +61,18 @@ def test_a_refresh_holds_each_rank_until_it_replied_then_frees_it(tmp_path):
     asyncio.run(scenario())
 
 
+async def _refreshed_with_failure(tmp_path, failing_rank: int) -> Master:
+    """A master whose posted refresh has been answered, by `failing_rank` with an error."""
+    master, clients = _master(tmp_path, fail_on={failing_rank})
+    await master.refresh(["actor_gen"], StepResult(data=None))
+    for client in clients.values():
+        client.release.set()
+    return master
+
+
 def test_a_failed_background_transfer_stops_the_next_request_and_frees_every_lock(tmp_path):
     async def scenario():
-        master, clients = _master(tmp_path, fail_on={0})
-        await master.refresh(["actor_gen"], StepResult(data=None))
-        for client in clients.values():
-            client.release.set()
+        master = await _refreshed_with_failure(tmp_path, failing_rank=0)
         # The next request for rank 0 waits for its lock, then sees the transfer's error.
         with pytest.raises(RuntimeError, match="worker 0 died during the transfer"):
             async with master._locked([0]):
@@ -79,10 +85,7 @@ def test_a_failed_background_transfer_stops_the_next_request_and_frees_every_loc
 
 def test_drain_reports_a_failed_transfer(tmp_path):
     async def scenario():
-        master, clients = _master(tmp_path, fail_on={1})
-        await master.refresh(["actor_gen"], StepResult(data=None))
-        for client in clients.values():
-            client.release.set()
+        master = await _refreshed_with_failure(tmp_path, failing_rank=1)
         with pytest.raises(RuntimeError, match="worker 1 died during the transfer"):
             await master.drain()
 
