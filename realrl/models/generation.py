@@ -23,12 +23,11 @@ Speed. At small model sizes a decode step is bound by per-op overhead and by str
 weights from memory, not by arithmetic, so a decode step issues few ops: fused qkv and
 gate/up projections, one rotary call for queries and keys together, cos/sin precomputed for
 every step, activations kept features-first on CPU (see below), one exp over the vocabulary
-per step shared by the
-log-probs and the sampler, inverse-CDF sampling (one uniform per row; two-level for large
-vocabularies), and a host sync ("all done?") only every `check_done_every` steps. Finished
-rows keep decoding (their tokens are ignored): cheaper than compacting the batch at these
-sizes. Small decode steps run on one CPU thread (`SINGLE_THREAD_DECODE_MAX_WORK`): their
-matmuls are too small to split.
+per step shared by the log-probs and the sampler, inverse-CDF sampling (one uniform per row;
+two-level for large vocabularies), and a host sync ("all done?") only every `check_done_every`
+steps. Finished rows keep decoding (their tokens are ignored): cheaper than compacting the
+batch at these sizes. Small decode steps run on one CPU thread
+(`SINGLE_THREAD_DECODE_MAX_WORK`): their matmuls are too small to split.
 
 Features-first decoding on CPU. A decode step multiplies a few rows by every weight, and
 streaming the weights through the cache is most of its matmul time. On CPU (tensor-parallel
