@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from realrl.models.layers import apply_rotary, rms_norm
+from realrl.models.layers import rms_norm, split_rotated_qkv
 
 if TYPE_CHECKING:
     from realrl.models.transformer import AttendFn, Block, Transformer
@@ -77,10 +77,7 @@ def before_attention(
     """`Block`'s math up to attention: rotated query [total_tokens, heads, head_dim], key and
     value [total_tokens, kv_heads, head_dim] (same ops as `Attention.project`)."""
     qkv = F.linear(rms_norm(hidden, norm_weight, eps), qkv_weight, qkv_bias)
-    qkv = qkv.unflatten(-1, (num_heads + 2 * num_kv_heads, -1))
-    query_key, value = qkv.split([num_heads + num_kv_heads, num_kv_heads], -2)
-    query, key = apply_rotary(query_key, cos, sin).split([num_heads, num_kv_heads], -2)
-    return query, key, value
+    return split_rotated_qkv(qkv, num_heads, num_kv_heads, cos, sin)
 
 
 def after_attention(

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from realrl.models.attention import PackedLayout, varlen_attention
 from realrl.models.compiled import explain_compile_failure
-from realrl.models.layers import apply_rotary
+from realrl.models.layers import split_rotated_qkv
 from realrl.models.sampling import (
     GenerationConfig,
     GenerationOutput,
@@ -191,9 +191,7 @@ def _features_first_block(
     qkv = torch.mm(attention.qkv.weight, normed)  # [(heads + 2 * kv_heads) * head_dim, rows]
     if attention.qkv.bias is not None:
         qkv = qkv + attention.qkv.bias[:, None]
-    qkv = qkv.t().unflatten(-1, (heads + 2 * kv_heads, attention.head_dim))
-    query_key, value = qkv.split([heads + kv_heads, kv_heads], -2)
-    query, key = apply_rotary(query_key, cos, sin).split([heads, kv_heads], -2)
+    query, key, value = split_rotated_qkv(qkv.t(), heads, kv_heads, cos, sin)
     attended = attend(block.layer_index, query, key, value)  # [rows, heads, head_dim]
     hidden = hidden + torch.mm(attention.output.weight, attended.flatten(1).t())
     normed = _features_first_rms_norm(hidden, block.mlp_norm.weight, block.mlp_norm.eps)

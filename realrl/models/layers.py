@@ -148,3 +148,18 @@ def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     half = states.shape[-1] // 2
     rotated_half = torch.cat([-states[..., half:], states[..., :half]], dim=-1)
     return states * cos + rotated_half * sin
+
+
+def split_rotated_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused projection [..., (heads + 2 * kv_heads) * head_dim] -> rotated query
+    [..., heads, head_dim], rotated key and value [..., kv_heads, head_dim].
+
+    One split, not slices: its backward is one cat, where each slice's backward fills a zero
+    tensor the size of qkv and adds into it.
+    """
+    qkv = qkv.unflatten(-1, (num_heads + 2 * num_kv_heads, -1))
+    query_key, value = qkv.split([num_heads + num_kv_heads, num_kv_heads], -2)
+    query, key = apply_rotary(query_key, cos, sin).split([num_heads, num_kv_heads], -2)
+    return query, key, value

@@ -26,7 +26,7 @@ from realrl.models.layers import (
     PlainLayerFactory,
     RMSNorm,
     RotaryTable,
-    apply_rotary,
+    split_rotated_qkv,
 )
 
 if TYPE_CHECKING:
@@ -67,15 +67,7 @@ class Attention(nn.Module):
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """hidden [..., hidden_size] -> rotated query [..., heads, head_dim], key, value."""
-        qkv = self.qkv(hidden).unflatten(
-            -1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        )
-        # One split, not two slices: its backward is one cat, where each slice's backward
-        # fills a zero tensor the size of qkv and adds into it.
-        query_key, value = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], -2)
-        rotated = apply_rotary(query_key, cos, sin)
-        query, key = rotated.split([self.num_heads, self.num_kv_heads], dim=-2)
-        return query, key, value
+        return split_rotated_qkv(self.qkv(hidden), self.num_heads, self.num_kv_heads, cos, sin)
 
 
 class MLP(nn.Module):

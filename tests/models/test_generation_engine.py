@@ -309,7 +309,7 @@ def test_compiled_decode_without_a_cpp_compiler_says_what_to_do(tmp_path):
         import torch
         from tiny_hf_models import save_hf
         from realrl.models.checkpoint import load_pretrained
-        from realrl.models.generation import GenerationConfig, _features_first_block, generate
+        from realrl.models.generation import GenerationConfig, generate
 
         save_hf({str(tmp_path / "model")!r}, "qwen2", eos_token_id=3)
         model = load_pretrained({str(tmp_path / "model")!r})
