@@ -158,6 +158,13 @@ def realrl_step_rows(metrics_file: Path, num_seqs: int) -> list[dict]:
     return rows
 
 
+def measured_steps(rows: list[dict], system: str, warmup: int, steps: int) -> list[dict]:
+    """The steps a run's speed is measured on: after the warm-up, and for a pipelined run not
+    its last step, which trains with no next rollout beside it."""
+    last = steps - 1 if system in PIPELINED_SYSTEMS else steps
+    return [row for row in rows if warmup < row["step"] <= last]
+
+
 def run_one(args, system: str, mode: str, dtype: str, repeat: int) -> dict:
     """Run one configuration in a fresh process tree; its measured steps and peak memory."""
     trial = f"{mode}-{dtype}-r{repeat}"
@@ -191,9 +198,7 @@ def run_one(args, system: str, mode: str, dtype: str, repeat: int) -> dict:
         rows = realrl_step_rows(run_root / system / trial / "metrics.jsonl", num_seqs)
     else:
         rows = [json.loads(line) for line in output.read_text().splitlines()]
-    measured = [row for row in rows if row["step"] > args.warmup]
-    if system in PIPELINED_SYSTEMS:  # its last step trains with no next rollout beside it
-        measured = [row for row in measured if row["step"] < args.steps]
+    measured = measured_steps(rows, system, args.warmup, args.steps)
     logger.info("%s %s: %s s/step (load %.1f)", system, trial,
                 [round(row["step_s"], 2) for row in measured], load_before)
     return {"system": system, "mode": mode, "dtype": dtype, "repeat": repeat,

@@ -7,7 +7,12 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
 
-from bench_rl_step import format_table, realrl_step_rows, speedups  # noqa: E402
+from bench_rl_step import (  # noqa: E402
+    format_table,
+    measured_steps,
+    realrl_step_rows,
+    speedups,
+)
 
 
 def test_realrl_step_rows_split_a_step_into_generate_inference_train_and_other(tmp_path):
@@ -49,3 +54,11 @@ def test_format_table_prints_one_row_per_system():
     table = format_table([summary]).splitlines()
     assert len(table) == 3
     assert "| 2.00 (1.50-2.50, n=2) |" in table[2] and "10.0 (10.0%)" in table[2]
+
+
+def test_measured_steps_drop_the_warm_up_and_a_pipelined_runs_last_step():
+    rows = [{"step": step} for step in range(1, 8)]
+    assert [r["step"] for r in measured_steps(rows, "realrl-grpo", 2, 7)] == [3, 4, 5, 6, 7]
+    assert [r["step"] for r in measured_steps(rows, "trl", 2, 7)] == [3, 4, 5, 6, 7]
+    for pipelined in ("realrl-grpo-pipelined", "realrl-grpo-pipelined-noshare"):
+        assert [r["step"] for r in measured_steps(rows, pipelined, 2, 7)] == [3, 4, 5, 6]
