@@ -135,14 +135,19 @@ def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
 
         engine.train_microbatches([None, None], loss_fn)
         buckets = engine.gradient_buckets
-        torch.save(
-            {
-                "launched_before_last": launched_before_last,
-                "num_buckets": len(buckets.buckets),
-                "grads": torch.cat([p.grad.reshape(-1) for p in engine.module.parameters()]),
-            },
-            f"{output}.rank{rank}",
-        )
+        result = {
+            "launched_before_last": list(launched_before_last),
+            "num_buckets": len(buckets.buckets),
+            "grads": torch.cat([p.grad.reshape(-1) for p in engine.module.parameters()]),
+        }
+        # A gradient replaced behind the engine's back would miss its bucket's sum: refused.
+        norm = engine.module.final_norm.weight
+        norm.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.grad.clone()))
+        try:
+            engine.train_microbatches([None], loss_fn)
+        except RuntimeError as error:
+            result["replaced_grad_error"] = str(error)
+        torch.save(result, f"{output}.rank{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -157,3 +162,6 @@ def test_gradient_all_reduces_start_during_the_backward(tmp_path):
         assert len(result["launched_before_last"]) == 2
         assert 0 < result["launched_before_last"][1] < result["num_buckets"]
     assert torch.equal(ranks[0]["grads"], ranks[1]["grads"])  # both hold the sum
+    for result in ranks:
+        assert "replaced during the step" in result["replaced_grad_error"]
+        assert "only TorchEngine may set gradients" in result["replaced_grad_error"]
