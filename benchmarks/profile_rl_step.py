@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Compiled blocks for the actor and reference (actor.compile=true, ref.compile=true); "
         "the compiles happen in the warm-up step.",
     )
+    parser.add_argument(
+        "--no-share-prefixes",
+        action="store_true",
+        help="Run every packed token through the model (actor.share_prefixes=false, "
+        "ref.share_prefixes=false); by default the tokens a group's sequences share run once.",
+    )
     return parser.parse_args(argv)
 
 
@@ -99,6 +105,8 @@ class ActorStep:
         self.reference = TorchEngine(
             load_pretrained(model_dir, dtype=dtype), self.tokenizer, ParallelContext()
         )
+        for engine in (self.actor, self.reference):
+            engine.module.share_prefixes = not args.no_share_prefixes
         if args.compile:
             enable_compiled_blocks(self.actor.module, "actor.compile")
             enable_compiled_blocks(self.reference.module, "ref.compile")

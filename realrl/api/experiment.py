@@ -72,6 +72,13 @@ class ModelRoleConfig:
         "actor_train ~1.1x, after ~5 s of compiling in the first step (~30 s with a cold "
         "inductor cache). Ignored with tensor parallelism; needs a C++ compiler on CPU."
     )
+    share_prefixes: bool = help_field(
+        True, "Training and inference forwards run the tokens that consecutive packed sequences "
+        "share from their start (a prompt sampled group_size times, a pair's prompt) once; "
+        "attention still sees each sequence whole, and logits and gradients are the same up to "
+        "float rounding. GRPO benchmark (9-token prompts, 4 x 32-token responses): actor "
+        "forward+backward ~15% faster."
+    )
 
 
 @dataclass

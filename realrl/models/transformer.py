@@ -28,6 +28,7 @@ from realrl.models.layers import (
     RotaryTable,
     split_rotated_qkv,
 )
+from realrl.models.shared_prefix import find_shared_prefixes
 
 if TYPE_CHECKING:
     from realrl.models.compiled import CompiledBlocks
@@ -110,6 +111,9 @@ class Transformer(nn.Module):
         self.config = config
         self.tp_size = factory.tp_size
         self.attention_kernel = "auto"
+        # Run the tokens that consecutive packed sequences share from their start once in
+        # `forward` (`realrl.models.shared_prefix`); the role's `share_prefixes` config key.
+        self.share_prefixes = True
         # Set by `realrl.models.compiled.enable_compiled_blocks`; None: eager blocks.
         self.compiled_blocks: CompiledBlocks | None = None
         # Called between transformer layers, in the forward and (for tensors that need grad) in
@@ -172,7 +176,7 @@ class Transformer(nn.Module):
         """Logits [total_tokens, vocab] (critic: values [total_tokens], fp32).
 
         Position ids default to 0..len-1 within each sequence. Costs one host sync to read
-        the sequence lengths.
+        the sequence lengths, and with `share_prefixes` one more to find the shared tokens.
         """
         layout = PackedLayout.from_cu_seqlens(cu_seqlens)
         if position_ids is None:
@@ -182,11 +186,26 @@ class Transformer(nn.Module):
         else:
             self.rotary.ensure_capacity(int(position_ids.max()) + 1, self.device)
         window, kernel = self.config.sliding_window, self.attention_kernel
+        prefixes = None
+        if self.share_prefixes:
+            prefixes = find_shared_prefixes(packed_input_ids, position_ids, layout)
+        if prefixes is None:
 
-        def attend(layer_index, query, key, value):
-            return varlen_attention(query, key, value, layout, window, kernel)
+            def attend(layer_index, query, key, value):
+                return varlen_attention(query, key, value, layout, window, kernel)
 
-        return self.head(self.hidden_states(packed_input_ids, position_ids, attend))
+            return self.head(self.hidden_states(packed_input_ids, position_ids, attend))
+
+        def attend_whole_sequences(layer_index, query, key, value):
+            query, key, value = (prefixes.expand(t) for t in (query, key, value))
+            return prefixes.compact(varlen_attention(query, key, value, layout, window, kernel))
+
+        hidden = self.hidden_states(
+            prefixes.compact(packed_input_ids),
+            prefixes.compact(position_ids),
+            attend_whole_sequences,
+        )
+        return self.head(prefixes.expand(hidden))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -39,6 +39,7 @@ def shard_module(full: Transformer, parallel: ParallelContext) -> Transformer:
     shard = shard_state_dict(full.state_dict(), parallel.tp_rank, parallel.tp_size, config)
     module.load_state_dict(shard, strict=True, assign=True)
     module.attention_kernel = full.attention_kernel
+    module.share_prefixes = full.share_prefixes
     return module
 
 
@@ -59,6 +60,7 @@ def load_engine(
         dtype=DTYPES[spec.config.dtype.value],
         device=device,
     )
+    module.share_prefixes = spec.config.share_prefixes
     module = shard_module(module, parallel)
     if spec.config.compile:
         # The built-in single-model experiments (sft, rw, gen) name the "default" role `model`.
