@@ -21,7 +21,8 @@ _GSM8K_PATTERN = re.compile(r"####\s*([^\n]+)")
 _PHRASE_PATTERN = re.compile(
     r"(?:final answer|the answer|answer)\s*(?:is|:|=)\s*:?\s*([^\n]+)", re.IGNORECASE
 )
-_NUMBER_PATTERN = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+# A comma belongs to a number only as a thousands separator: "7, then" ends at 7.
+_NUMBER_PATTERN = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 _THOUSANDS_PATTERN = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
 _SIMPLE_FRACTION_PATTERN = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
 _PLAIN_NUMBER_PATTERN = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)(/\d+)?$")

@@ -27,6 +27,9 @@ from realrl.rewards.math_answer import (
         ("The final answer is \\(\\frac{3}{4}\\).", "\\frac{3}{4}"),
         ("I computed 3 + 4 = 7, then doubled to 14", "14"),
         ("a ratio of 2/3 here", "2/3"),
+        ("it is 7, I think", "7"),
+        ("about 1,234,567 of them", "1,234,567"),
+        ("the pair 1,2", "2"),
     ],
 )
 def test_extract_answer_finds_the_final_answer(completion, expected):
