@@ -25,6 +25,7 @@ _PHRASE_PATTERN = re.compile(
 _NUMBER_PATTERN = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 _THOUSANDS_PATTERN = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
 _SIMPLE_FRACTION_PATTERN = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
+_SURE_MISMATCH_GAP = Fraction(1, 10**5)
 _PLAIN_NUMBER_PATTERN = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)(/\d+)?$")
 
 
@@ -126,8 +127,9 @@ def parse_number(answer: str) -> Fraction | None:
 def fast_match(prediction: str, reference: str) -> bool | None:
     """Decide the easy cases without sympy: True/False when sure, None to ask math-verify.
 
-    Two different integers are a sure mismatch; two unequal decimals are not (math-verify
-    accepts ``0.333333`` for ``1/3`` after rounding), so those go to the slow path.
+    Two different integers are a sure mismatch, and so are two numbers too far apart for
+    math-verify's rounding to 6 decimals to equate; closer ones are not (math-verify accepts
+    ``0.333333`` for ``1/3`` after rounding), so those go to the slow path.
     """
     if normalize_answer(prediction) == normalize_answer(reference):
         return True
@@ -137,7 +139,13 @@ def fast_match(prediction: str, reference: str) -> bool | None:
     if prediction_value == reference_value:
         return True
     both_integers = prediction_value.denominator == 1 and reference_value.denominator == 1
-    return False if both_integers else None
+    if both_integers:
+        return False
+    # math-verify compares plain numbers exactly, or rounded to 6 decimals when one is written
+    # as a decimal: numbers further apart than a rounding step never match.
+    gap = abs(prediction_value - reference_value)
+    scale = max(1, abs(prediction_value), abs(reference_value))
+    return False if gap > _SURE_MISMATCH_GAP * scale else None
 
 
 def as_math_verify_input(answer: str) -> str:

@@ -73,6 +73,9 @@ def test_fast_match_is_sure_only_when_it_can_be():
     assert fast_match("7", "8") is False
     # 0.333333 vs 1/3 is a rounding question for math-verify, not a sure mismatch.
     assert fast_match("0.333333", "\\frac{1}{3}") is None
+    assert fast_match(".3", "1017") is False
+    assert fast_match("52/9", "1017") is False
+    assert fast_match("0.3334", "\\frac{1}{3}") is False
     assert fast_match("\\sqrt{2}", "2^{1/2}") is None
 
 
