@@ -47,7 +47,10 @@ with another shape (a data-parallel split that gives this worker more or fewer p
 compiles once more with dynamic shapes, which then serves every shape; measured on 2 cores:
 5.7 s, then 12.9 s once, then never again over five other row counts. Fusing the element-wise
 ops makes small-model decoding 20-25% faster on CPU (`benchmarks/bench_generation.py`).
-Sampling stays eager: it draws from a torch.Generator.
+The choice of the next tokens runs in the same graph (`_decode_and_choose`): `generate` draws
+every step's uniforms from the torch.Generator before the loop, so a step has no random state
+and no eager sampling ops around it (a compiled generate of 16 rows x 32 tokens 0.161 ->
+0.151 s on one thread); eager decoding uses the same draws, so both give the same tokens.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from realrl.models.layers import split_rotated_qkv
 from realrl.models.sampling import (
     GenerationConfig,
     GenerationOutput,
+    SamplingRule,
     choose_tokens,
     pack_outputs,
 )
@@ -246,13 +250,9 @@ class _Record:
             response_lens=torch.zeros(num_seqs, dtype=torch.long, device=device),
         )
 
-    def sample(self, logits, config: GenerationConfig, stop_ids: torch.Tensor, generator):
-        """Picks and records this step's tokens [num_seqs] from fp32 logits [num_seqs, vocab]."""
+    def add(self, tokens, logprobs, sampling_logprobs, stop_ids: torch.Tensor) -> torch.Tensor:
+        """Records this step's tokens [num_seqs] and log-probs; returns the tokens."""
         step = self.steps_done
-        mask_stop = step < config.min_new_tokens
-        tokens, logprobs, sampling_logprobs = choose_tokens(
-            logits, config, stop_ids, mask_stop, generator, self.sampling_logprobs is not None
-        )
         self.tokens[:, step] = tokens
         self.logprobs[:, step] = logprobs
         if self.sampling_logprobs is not None:
@@ -281,17 +281,45 @@ def _prefill_and_expand(
     return prompt_cache.repeat_rows(n), logits.repeat_interleave(n, dim=0), prompt_lens
 
 
+def _decode_and_choose(
+    model: Transformer,
+    rule: SamplingRule,
+    with_sampling_logprobs: bool,
+    tokens: torch.Tensor,  # [rows]
+    cos: torch.Tensor,  # [rows, 1, head_dim]
+    sin: torch.Tensor,
+    column: torch.Tensor,  # 0-d long
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    score_bias: torch.Tensor,
+    column_index: torch.Tensor,
+    stop_mask: torch.Tensor,  # [vocab] bool: the stop tokens
+    mask_stop: torch.Tensor,  # 0-d bool: stop tokens are masked out of sampling at this step
+    draws: torch.Tensor,  # [rows, 1] uniforms
+):
+    """One decode step and the choice of the next tokens -> (tokens, log-probs, sampling
+    log-probs or None), in one graph when compiled."""
+    logits = _decode_step(
+        model, tokens, cos, sin, column, keys, values, score_bias, column_index
+    )
+    return choose_tokens(logits, rule, stop_mask & mask_stop, draws, with_sampling_logprobs)
+
+
 def _decode_function(model: Transformer, compile_step: bool):
-    """The decode step; compiled per model when asked (see "Compiled decoding" above)."""
+    """The decode step with token choice; compiled per model when asked (see "Compiled
+    decoding" above)."""
     if not compile_step:
-        return functools.partial(_decode_step, model)
+        return functools.partial(_decode_and_choose, model)
     compiled = getattr(model, "compiled_decode_step", None)
     if compiled is None:
         # On CPU the compiled code's wrapper, which calls its ~100 kernels and matmuls per
         # step, is C++ rather than Python: a generate call 5-6% faster, ~3 s more to compile.
         options = {"cpp_wrapper": True} if model.device.type == "cpu" else None
         step = torch.compile(
-            functools.partial(_decode_step, model), fullgraph=True, dynamic=None, options=options
+            functools.partial(_decode_and_choose, model),
+            fullgraph=True,
+            dynamic=None,
+            options=options,
         )
 
         def compiled(*args):
@@ -363,13 +391,23 @@ def generate(
     record = _Record.allocate(
         len(row_prompt_lens), max_new, config.return_sampling_logprobs, device
     )
-    tokens = record.sample(logits, config, stop_tensor, generator)
+    # Sampling happens inside the (compiled) step: its uniforms are drawn here, one per row and
+    # step, and min_new_tokens becomes a per-step flag over a fixed stop-token mask.
+    rule, with_sampling = SamplingRule.of(config), config.return_sampling_logprobs
+    draws = torch.rand(max_new, len(row_prompt_lens), 1, generator=generator, device=device)
+    stop_mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+    stop_mask[stop_tensor] = True
+    mask_stop = torch.arange(max_new, device=device) < config.min_new_tokens  # [max_new]
+    first = choose_tokens(logits, rule, stop_mask & mask_stop[0], draws[0], with_sampling)
+    tokens = record.add(*first, stop_tensor)
     decode = _decode_function(model, config.compile)
     with _decode_threads(model, len(row_prompt_lens)):
         for step in range(1, max_new):
             if record.all_finished(config.check_done_every, bool(stop_ids)):
                 break
-            logits = decode(
+            chosen = decode(
+                rule,
+                with_sampling,
                 tokens,
                 all_cos[step - 1],
                 all_sin[step - 1],
@@ -378,8 +416,11 @@ def generate(
                 cache.values,
                 cache.score_bias,
                 cache.column_index,
+                stop_mask,
+                mask_stop[step],
+                draws[step],
             )
-            tokens = record.sample(logits, config, stop_tensor, generator)
+            tokens = record.add(*chosen, stop_tensor)
     steps = record.steps_done
     return pack_outputs(
         packed_prompts,

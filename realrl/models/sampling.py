@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -71,24 +72,41 @@ class GenerationOutput:
     packed_sampling_logprobs: torch.Tensor | None = None  # [total_response_tokens]
 
 
-def sampling_logits(
-    logits: torch.Tensor, config: GenerationConfig, stop_ids: torch.Tensor, mask_stop: bool
-):
-    """logits [rows, vocab] of the distribution actually sampled from (a new tensor or `logits`)."""
-    if mask_stop and stop_ids.numel() > 0:
-        logits = logits.index_fill(1, stop_ids, float("-inf"))
-    if config.greedy:
+class SamplingRule(NamedTuple):
+    """The settings of `GenerationConfig` that shape a sampling distribution (a tuple of
+    constants, so that a compiled decode step specialises on them)."""
+
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @classmethod
+    def of(cls, config: GenerationConfig) -> SamplingRule:
+        return cls(config.greedy, config.temperature, config.top_k, config.top_p)
+
+    @property
+    def plain(self) -> bool:
+        """Sampling from the raw distribution: temperature 1, no top-k, no top-p."""
+        return not self.greedy and self.temperature == 1.0 and self.top_k == 0 and self.top_p == 1.0
+
+
+def sampling_logits(logits: torch.Tensor, rule: SamplingRule, masked: torch.Tensor):
+    """logits [rows, vocab] of the distribution actually sampled from; `masked` [vocab] bool
+    marks the stop tokens masked out at this step."""
+    logits = logits.masked_fill(masked, float("-inf"))
+    if rule.greedy:
         return logits
-    if config.temperature != 1.0:
-        logits = logits / config.temperature
-    if config.top_k > 0:
-        kth_largest = logits.topk(min(config.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+    if rule.temperature != 1.0:
+        logits = logits / rule.temperature
+    if rule.top_k > 0:
+        kth_largest = logits.topk(min(rule.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if config.top_p < 1.0:
+    if rule.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens ranked above it already hold top_p of the mass.
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) > config.top_p
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) > rule.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     return logits
@@ -99,18 +117,19 @@ TWO_LEVEL_MIN_VOCAB = 1024
 _BLOCK = 128
 
 
-def select_tokens(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row drawn from unnormalised probabilities weights [rows, vocab] >= 0.
+def select_tokens(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from unnormalised probabilities weights [rows, vocab] >= 0 by
+    the uniform draws [rows, 1] in [0, 1).
 
     Inverse-CDF sampling with one uniform per row, cheaper on CPU than Gumbel-max (a random
-    number per vocabulary entry) or `multinomial`. A cumulative sum over the vocabulary is
+    number per vocabulary entry) or `multinomial`; the caller draws the uniforms, so the
+    selection itself has no random state and compiles into the decode step. A cumulative sum over the vocabulary is
     sequential and the slowest op of a small model's decode step, so large vocabularies go in
     two levels: pick a block of 128 tokens by the cumulative sum of block sums, then a token
     inside it. The draw is kept strictly below the mass it inverts, so a zero-weight token
     (a masked stop token) is never returned.
     """
     rows, vocab = weights.shape
-    draws = torch.rand(rows, 1, generator=generator, device=weights.device)
     if vocab < TWO_LEVEL_MIN_VOCAB or vocab % _BLOCK != 0:
         return _invert(weights, draws).squeeze(1)
     blocks = weights.view(rows, vocab // _BLOCK, _BLOCK)
@@ -131,16 +150,16 @@ def _invert(weights: torch.Tensor, fractions: torch.Tensor, cumulative=None) -> 
     total = cumulative[:, -1:]
     # 1 - 2^-20 keeps the target below the total despite rounding (and a fraction of 1).
     target = torch.minimum(fractions * total, total * (1 - 2**-20))
-    index = torch.searchsorted(cumulative, target, right=True)
-    return index.clamp_max_(weights.shape[-1] - 1)
+    # How many cumulative weights are <= target: `searchsorted(right=True)` as one reduction.
+    index = (cumulative <= target).sum(-1, keepdim=True)
+    return index.clamp_max(weights.shape[-1] - 1)
 
 
 def choose_tokens(
     logits: torch.Tensor,  # [rows, vocab] raw, fp32
-    config: GenerationConfig,
-    stop_ids: torch.Tensor,
-    mask_stop: bool,
-    generator: torch.Generator,
+    rule: SamplingRule,
+    masked: torch.Tensor,  # [vocab] bool: stop tokens masked out of sampling at this step
+    draws: torch.Tensor,  # [rows, 1] uniforms in [0, 1)
     with_sampling_logprobs: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Next tokens [rows], their log-probs [rows] under the raw distribution, and (when asked
@@ -148,22 +167,21 @@ def choose_tokens(
 
     One exp over the vocabulary serves both the raw log-normaliser and, at temperature 1
     without top-k/top-p (the usual RL setting), the sampling weights; masking stop tokens
-    then just zeroes their weights.
+    then just zeroes their weights. No host syncs and no random state: the compiled decode
+    step runs it in its graph.
     """
     max_logit = logits.amax(-1, keepdim=True)
-    weights = (logits - max_logit).exp_()  # [rows, vocab] unnormalised raw probabilities
-    log_normaliser = weights.sum(-1, keepdim=True).log_().add_(max_logit)  # logsumexp
-    plain = config.temperature == 1.0 and config.top_k == 0 and config.top_p == 1.0
-    if plain and not config.greedy:
-        if mask_stop and stop_ids.numel() > 0:
-            weights.index_fill_(1, stop_ids, 0.0)
-        tokens = select_tokens(weights, generator)
+    weights = (logits - max_logit).exp()  # [rows, vocab] unnormalised raw probabilities
+    log_normaliser = weights.sum(-1, keepdim=True).log() + max_logit  # logsumexp
+    if rule.plain:
+        weights = weights.masked_fill(masked, 0.0)
+        tokens = select_tokens(weights, draws)
     else:
-        modified = sampling_logits(logits, config, stop_ids, mask_stop)
-        weights = None
-        if not config.greedy or with_sampling_logprobs:
-            weights = (modified - modified.amax(-1, keepdim=True)).exp_()
-        tokens = modified.argmax(-1) if config.greedy else select_tokens(weights, generator)
+        modified = sampling_logits(logits, rule, masked)
+        # Greedy decoding needs the sampled distribution's weights only to report log-probs.
+        if not rule.greedy or with_sampling_logprobs:
+            weights = (modified - modified.amax(-1, keepdim=True)).exp()
+        tokens = modified.argmax(-1) if rule.greedy else select_tokens(weights, draws)
     chosen = tokens[:, None]
     logprobs = (logits.gather(1, chosen) - log_normaliser).squeeze(1)
     if not with_sampling_logprobs:

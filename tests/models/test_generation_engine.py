@@ -264,7 +264,7 @@ def test_compiled_decode_step_matches_the_eager_one(models, prompts):
     sampled = generate(
         model, *prompts, GenerationConfig(max_new_tokens=12, compile=True),
         torch.Generator().manual_seed(4),
-    )  # same rows, so no second compile
+    )  # same rows: a second graph only for the other sampling rule
     assert (sampled.packed_logprobs - forward_logprobs(model, sampled)).abs().max() <= 1e-5
     # Another batch shape (three prompts): one recompile with dynamic shapes, same tokens.
     packed, cu_seqlens = prompts
@@ -274,6 +274,32 @@ def test_compiled_decode_step_matches_the_eager_one(models, prompts):
     recompiled = generate(model, *fewer, dataclasses.replace(greedy, compile=True), torch.Generator())
     assert torch.equal(recompiled.packed_input_ids, expected.packed_input_ids)
     assert model.compiled_decode_step is not None
+
+
+def test_compiled_sampling_draws_the_same_tokens_as_eager_sampling(models, prompts):
+    # Token choice runs inside the compiled step, from uniforms drawn before the loop: with
+    # temperature, top-k, top-p, a stop token masked until min_new_tokens and the sampled
+    # distribution's log-probs, the same seed gives the same tokens either way.
+    _, model = models
+    config = GenerationConfig(
+        n=2,
+        max_new_tokens=10,
+        min_new_tokens=4,
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        stop_token_ids=[_frequent_token(model, prompts)],
+        return_sampling_logprobs=True,
+    )
+    eager = generate(model, *prompts, config, torch.Generator().manual_seed(11))
+    compiled_config = dataclasses.replace(config, compile=True)
+    compiled = generate(model, *prompts, compiled_config, torch.Generator().manual_seed(11))
+    assert torch.equal(compiled.packed_input_ids, eager.packed_input_ids)
+    assert torch.equal(compiled.response_lens, eager.response_lens)
+    assert (compiled.packed_logprobs - eager.packed_logprobs).abs().max() <= 1e-5
+    difference = compiled.packed_sampling_logprobs - eager.packed_sampling_logprobs
+    assert difference.abs().max() <= 1e-5
+    assert int(eager.response_lens.min()) >= 4
 
 
 def test_the_features_first_cpu_decode_block_equals_the_block_forward(models):
