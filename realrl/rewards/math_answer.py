@@ -21,8 +21,9 @@ _GSM8K_PATTERN = re.compile(r"####\s*([^\n]+)")
 _PHRASE_PATTERN = re.compile(
     r"(?:final answer|the answer|answer)\s*(?:is|:|=)\s*:?\s*([^\n]+)", re.IGNORECASE
 )
-# A comma belongs to a number only as a thousands separator: "7, then" ends at 7.
-_NUMBER_PATTERN = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+# A comma belongs to a number only as a thousands separator ("7, then" ends at 7), and a
+# fraction's slash stays on its line ("8/" at a line's end is not "8/9" with the next line's 9).
+_NUMBER_PATTERN = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:[ \t]*/[ \t]*\d+)?|-?\.\d+")
 _THOUSANDS_PATTERN = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
 _SIMPLE_FRACTION_PATTERN = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(-?\d+)\}$")
 _SURE_MISMATCH_GAP = Fraction(1, 10**5)

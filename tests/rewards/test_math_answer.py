@@ -30,6 +30,8 @@ from realrl.rewards.math_answer import (
         ("it is 7, I think", "7"),
         ("about 1,234,567 of them", "1,234,567"),
         ("the pair 1,2", "2"),
+        ("half is 1 / 2", "1/2"),
+        ("x = 8/\n9 more", "9"),
     ],
 )
 def test_extract_answer_finds_the_final_answer(completion, expected):
