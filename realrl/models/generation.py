@@ -299,9 +299,7 @@ def _decode_and_choose(
 ):
     """One decode step and the choice of the next tokens -> (tokens, log-probs, sampling
     log-probs or None), in one graph when compiled."""
-    logits = _decode_step(
-        model, tokens, cos, sin, column, keys, values, score_bias, column_index
-    )
+    logits = _decode_step(model, tokens, cos, sin, column, keys, values, score_bias, column_index)
     return choose_tokens(logits, rule, stop_mask & mask_stop, draws, with_sampling_logprobs)
 
 
