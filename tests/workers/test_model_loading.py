@@ -33,3 +33,21 @@ def test_single_model_experiments_name_their_compile_key_model(tmp_path):
     config = resolve_config(SFTExperimentConfig, [f"model.path={model_path}", "model.compile=true"])
     engine = load_engine(config.build().models["default"], ParallelContext(), True, 1, seed=0)
     assert engine.module.compiled_blocks.key == "model.compile"
+
+
+def test_role_share_prefixes_key_reaches_the_loaded_module_of_that_role_only(tmp_path):
+    model_path = fresh_default_model(tmp_path / "model")
+    config = resolve_config(
+        PPOMathConfig,
+        [
+            f"actor.path={model_path}",
+            f"ref.path={model_path}",
+            "ref.share_prefixes=false",
+            "ppo.kl_ctl=0.1",
+        ],
+    )
+    models = config.build().models
+    actor = load_engine(models["actor"], ParallelContext(), True, 1, seed=0)
+    reference = load_engine(models["ref"], ParallelContext(), False, 1, seed=0)
+    assert actor.module.share_prefixes  # on by default
+    assert not reference.module.share_prefixes
