@@ -24,9 +24,10 @@ The first `--warmup` steps of every run are dropped, and so is a pipelined run's
 which trains with no rollout beside it (not the steady state). Reported per system: seconds per
 step (median of per-run medians, with min-max over runs), the split into generate / inference /
 train / other (for realrl "other" is step time minus the worker-side compute of every MFC:
-transport, splitting, merging and reallocation), generated tokens/s, model FLOP/s against the
-fp32 and bf16 matmul ceilings measured at the start of the same run, and peak resident memory
-summed over every process of the run. Per run, also its wall and CPU seconds (all processes,
+transport, splitting, merging and reallocation), the mean response length (natural-length
+runs stop at EOS, so it says whether two systems did the same work), generated tokens/s,
+model FLOP/s against the fp32 and bf16 matmul ceilings measured at the start of the same run,
+and peak resident memory summed over every process of the run. Per run, also its wall and CPU seconds (all processes,
 start-up included) and the 1-minute load average when it started: on a shared machine a load
 above the core count means every system got less than its threads' worth of CPU.
 
@@ -218,6 +219,7 @@ def step_flops(args, system: str, generated_tokens: float) -> float:
 
 def summarise(args, runs: list[dict], ceilings: dict[str, float]) -> list[dict]:
     summaries = []
+    num_seqs = args.batch_size * args.group_size
     keys = sorted({(r["mode"], r["dtype"], r["system"]) for r in runs},
                   key=lambda k: (k[0], k[1], ALL_SYSTEMS.index(k[2])))
     for mode, dtype, system in keys:
@@ -227,11 +229,15 @@ def summarise(args, runs: list[dict], ceilings: dict[str, float]) -> list[dict]:
         parts = {part: statistics.median(s.get(part, float("nan")) for s in steps)
                  for part in ("generate_s", "inference_s", "train_s", "other_s", "realloc_s")}
         tokens = statistics.median(s.get("generated_tokens", float("nan")) for s in steps)
+        # Natural-length runs stop at EOS: the mean response length says whether two systems'
+        # step times cover the same work.
+        response_length = statistics.mean(
+            s.get("generated_tokens", float("nan")) for s in steps) / num_seqs
         step_s = statistics.median(per_run)
         flops_per_s = step_flops(args, system, tokens) / step_s if tokens == tokens else None
         summaries.append({
             "system": system, "mode": mode, "dtype": dtype,
-            "step_s": median_and_spread(per_run), **parts,
+            "step_s": median_and_spread(per_run), **parts, "response_length": response_length,
             "other_fraction": parts["other_s"] / step_s if system.startswith("realrl") else None,
             "generated_tokens_per_s": tokens / parts["generate_s"] if tokens == tokens else None,
             "model_gflops_per_s": flops_per_s / 1e9 if flops_per_s else None,
@@ -249,8 +255,8 @@ def format_table(summaries: list[dict]) -> str:
         return "-" if value is None or value != value else f"{value:.{digits}f}"
 
     lines = ["| mode | dtype | system | s/step (min-max) | gen | inf | train | other | "
-             "other % | gen tok/s | GFLOP/s (% ceil) | peak MiB | run wall/CPU s | load |",
-             "|" + "---|" * 14]
+             "other % | resp len | gen tok/s | GFLOP/s (% ceil) | peak MiB | run wall/CPU s | load |",
+             "|" + "---|" * 15]
     for s in summaries:
         spread = s["step_s"]
         lines.append(
@@ -259,7 +265,8 @@ def format_table(summaries: list[dict]) -> str:
             f"{number(s['generate_s'])} | {number(s['inference_s'])} | {number(s['train_s'])} | "
             f"{number(s['other_s'])} | "
             f"{number(100 * s['other_fraction'] if s['other_fraction'] is not None else None, 1)}"
-            f" | {number(s['generated_tokens_per_s'], 0)} | {number(s['model_gflops_per_s'], 1)}"
+            f" | {number(s['response_length'], 1)} | {number(s['generated_tokens_per_s'], 0)}"
+            f" | {number(s['model_gflops_per_s'], 1)}"
             f" ({number(100 * (s['fraction_of_ceiling'] or float('nan')), 1)}%) | "
             f"{number(s['peak_memory_mib'], 0)} | {number(s['run_wall_s'], 0)}/"
             f"{number(s['run_cpu_s'], 0)} | {number(s['load_average'], 1)} |")
