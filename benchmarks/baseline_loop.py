@@ -33,25 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import arithmetic_reward, read_prompts  # noqa: E402
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="HF checkpoint directory.")
-    parser.add_argument("--prompts", required=True, help="Prompt JSONL (prompt, answer).")
-    parser.add_argument("--output", required=True, help="Per-step timings, JSON lines.")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--fixed-length", action="store_true",
-                        help="min_new_tokens = max_new_tokens (token parity).")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=1)
-    return parser.parse_args(argv)
+from bench_setup import arithmetic_reward, baseline_arguments, read_prompts  # noqa: E402
 
 
 def precision(dtype: str):
@@ -143,4 +125,4 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    run(parse_args())
+    run(baseline_arguments(__doc__.split("\n\n")[0]))

@@ -15,8 +15,14 @@ temperature 1. Systems:
   step i trains on worker 1, so rollouts are one train step off-policy (AReaL-style). Not the
   same algorithm as the others: compare it as the asynchronous option it is;
 - `realrl-ppo`: full PPO (actor, critic, reference, rule reward; GAE, KL in the reward);
+- `realrl-ppo-compiled`: the same with the decode step and every model's blocks compiled;
+- `realrl-ppo-split`: compiled, with the independent calls side by side instead of each data
+  parallel over both workers: `ref_inf` and `actor_train` on worker 0, `critic_inf` and
+  `critic_train` on worker 1 (`PPO_SPLIT_LAYOUT`); the rollout stays on both;
 - `loop`: `baseline_loop.py`, one process, transformers `generate` + one forward/backward;
-- `trl`: `trl_grpo.py`, TRL's `GRPOTrainer` (skipped when `trl` is not importable).
+- `trl`: `trl_grpo.py`, TRL's `GRPOTrainer` (skipped when `trl` is not importable);
+- `trl-ppo`: `trl_ppo.py`, TRL's `PPOTrainer` doing `realrl-ppo`'s work. TRL dropped it after
+  1.12.0, so it runs against that release installed in `--trl-ppo-path` (skipped without it).
 
 Each configuration runs `--repeats` times in fresh processes, interleaved (system by system
 inside each repeat) so that load from other users of the machine hits all systems alike.
@@ -73,6 +79,11 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 GRPO_OVERRIDES = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"]
 PPO_OVERRIDES = ["ppo.adv_estimator=gae", "ppo.kl_ctl=0.1"]
+PPO_COMPILED_OVERRIDES = [*PPO_OVERRIDES, "gen.compile=true",
+                          *(f"{role}.compile=true" for role in ("actor", "critic", "ref"))]
+# The actor's and the critic's calls side by side, one worker each; the rollout on both.
+PPO_SPLIT_LAYOUT = ("allocation_mode=actor_gen:d2,rew_inf:d2,ref_inf:d1@0,critic_inf:d1@1,"
+                    "actor_train:d1@0,critic_train:d1@1")
 PIPELINED_OVERRIDES = [*GRPO_OVERRIDES, "gen.compile=true", "actor.compile=true",
                        "pipeline_rollout=true", "n_devices_per_node=2"]
 # Each realrl system's overrides; they come last on the command line, so they win.
@@ -82,11 +93,18 @@ REALRL_SYSTEMS = {
     "realrl-grpo-pipelined": PIPELINED_OVERRIDES,
     "realrl-grpo-pipelined-noshare": [*PIPELINED_OVERRIDES, "share_idle_cores=false"],
     "realrl-ppo": PPO_OVERRIDES,
+    "realrl-ppo-compiled": PPO_COMPILED_OVERRIDES,
+    "realrl-ppo-split": [*PPO_COMPILED_OVERRIDES, PPO_SPLIT_LAYOUT],
 }
 REALRL_GRPO = ("realrl-grpo", "realrl-grpo-compiled", "realrl-grpo-pipelined",
                "realrl-grpo-pipelined-noshare")
 PIPELINED_SYSTEMS = ("realrl-grpo-pipelined", "realrl-grpo-pipelined-noshare")
-ALL_SYSTEMS = (*REALRL_GRPO, "loop", "trl", "realrl-ppo")
+REALRL_PPO = ("realrl-ppo", "realrl-ppo-compiled", "realrl-ppo-split")
+ALL_SYSTEMS = (*REALRL_GRPO, "loop", "trl", *REALRL_PPO, "trl-ppo")
+# Each realrl system against the baselines doing the same algorithm's work.
+BASELINES = {**{system: ("loop", "trl") for system in REALRL_GRPO},
+             **{system: ("trl-ppo",) for system in REALRL_PPO}}
+PPO_SYSTEMS = (*REALRL_PPO, "trl-ppo")
 INFERENCE_MFCS = ("rew_inf", "ref_inf", "critic_inf")
 TRAIN_MFCS = ("actor_train", "critic_train")
 
@@ -110,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "0: the launcher's default, what a user gets (one single-threaded "
                              "worker per core on a 2-core machine).")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="Per run.")
+    parser.add_argument("--trl-ppo-path", default=None,
+                        help="Folder holding TRL 1.12.0 for the trl-ppo baseline (`pip install "
+                             "--no-deps --target DIR trl==1.12.0`); default: <work-dir>/trl-1.12.")
     parser.add_argument("--baseline-omp-wait-policy", default=None,
                         help="OMP_WAIT_POLICY for the loop and TRL (e.g. PASSIVE, what realrl's "
                              "launcher gives its workers); default: inherited, as a user runs them.")
@@ -133,7 +154,7 @@ def realrl_command(args, system: str, mode: str, dtype: str, run_root: Path, tri
 
 
 def baseline_command(args, system: str, mode: str, dtype: str, output: Path) -> list[str]:
-    script = "baseline_loop.py" if system == "loop" else "trl_grpo.py"
+    script = {"loop": "baseline_loop.py", "trl": "trl_grpo.py", "trl-ppo": "trl_ppo.py"}[system]
     command = [sys.executable, str(BENCH_DIR / script), "--model", str(args.model_dir),
                "--prompts", str(args.prompt_file), "--output", str(output),
                "--steps", str(args.steps), "--batch-size", str(args.batch_size),
@@ -153,7 +174,9 @@ def realrl_step_rows(metrics_file: Path, num_seqs: int) -> list[dict]:
             "step": metrics["step"], "step_s": step, "generate_s": timing.get("actor_gen", 0.0),
             "inference_s": sum(timing.get(name, 0.0) for name in INFERENCE_MFCS),
             "train_s": sum(timing.get(name, 0.0) for name in TRAIN_MFCS),
-            "other_s": step - metrics["perf/compute_s"], "realloc_s": realloc,
+            # Undefined when calls overlapped (their compute sums to more than the step).
+            "other_s": other if (other := step - metrics["perf/compute_s"]) >= 0 else float("nan"),
+            "realloc_s": realloc,
             "generated_tokens": num_seqs * metrics.get("actor_gen/response_length", 0.0),
         })
     return rows
@@ -181,6 +204,9 @@ def run_one(args, system: str, mode: str, dtype: str, repeat: int) -> dict:
                    MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
         if args.baseline_omp_wait_policy:
             env["OMP_WAIT_POLICY"] = args.baseline_omp_wait_policy
+        if system == "trl-ppo":
+            env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(args.trl_ppo_path), env.get("PYTHONPATH")]))
     log_file = args.work_dir / "logs" / f"{system}-{trial}.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     load_before = load_average()
@@ -211,10 +237,16 @@ def run_one(args, system: str, mode: str, dtype: str, repeat: int) -> dict:
 def step_flops(args, system: str, generated_tokens: float) -> float:
     shape = ModelShape.from_config_dir(args.model_dir)
     num_seqs = args.batch_size * args.group_size
-    ppo = system == "realrl-ppo"
+    ppo = system in PPO_SYSTEMS
     # PPO: reference and critic forwards; actor and critic trained. Prompts are 8 tokens.
     return rl_step_flops(shape, num_seqs, 8, generated_tokens / num_seqs,
                          num_forward_passes=2 if ppo else 0, num_trained_models=2 if ppo else 1)
+
+
+def _median_of_known(values: list[float]) -> float:
+    """The median of the values that are not NaN (NaN: none is known)."""
+    known = [value for value in values if value == value]
+    return statistics.median(known) if known else float("nan")
 
 
 def summarise(args, runs: list[dict], ceilings: dict[str, float]) -> list[dict]:
@@ -226,7 +258,7 @@ def summarise(args, runs: list[dict], ceilings: dict[str, float]) -> list[dict]:
         group = [r for r in runs if (r["mode"], r["dtype"], r["system"]) == (mode, dtype, system)]
         steps = [s for r in group for s in r["steps"]]
         per_run = [statistics.median(s["step_s"] for s in r["steps"]) for r in group if r["steps"]]
-        parts = {part: statistics.median(s.get(part, float("nan")) for s in steps)
+        parts = {part: _median_of_known([s.get(part, float("nan")) for s in steps])
                  for part in ("generate_s", "inference_s", "train_s", "other_s", "realloc_s")}
         tokens = statistics.median(s.get("generated_tokens", float("nan")) for s in steps)
         # Natural-length runs stop at EOS: the mean response length says whether two systems'
@@ -274,16 +306,15 @@ def format_table(summaries: list[dict]) -> str:
 
 
 def speedups(runs: list[dict]) -> list[str]:
-    """Each realrl GRPO system's speed-up over each baseline: the median over repeats of the
-    ratio of the two systems' median step times within one repeat (runs of a repeat are
-    minutes apart, so they share the machine's load better than runs of different repeats)."""
+    """Each realrl system's speed-up over each baseline of its algorithm (`BASELINES`): the
+    median over repeats of the ratio of the two systems' median step times within one repeat
+    (runs of a repeat are minutes apart, so they share the machine's load better than runs of
+    different repeats)."""
     step_s = {(r["mode"], r["dtype"], r["system"], r["repeat"]): statistics.median(
         s["step_s"] for s in r["steps"]) for r in runs if r["steps"]}
     lines = []
     for mode, dtype, system in sorted({key[:3] for key in step_s}):
-        if system not in ("loop", "trl"):
-            continue
-        for ours in REALRL_GRPO:
+        for ours in (ours for ours, baselines in BASELINES.items() if system in baselines):
             ratios = [seconds / step_s[(mode, dtype, ours, repeat)]
                       for (m, d, s, repeat), seconds in step_s.items()
                       if (m, d, s) == (mode, dtype, system)
@@ -302,6 +333,12 @@ def main(argv: list[str] | None = None) -> None:
     if "trl" in systems and importlib.util.find_spec("trl") is None:
         logger.warning("trl is not installed: skipping the TRL baseline")
         systems.remove("trl")
+    args.trl_ppo_path = Path(args.trl_ppo_path or args.work_dir / "trl-1.12").resolve()
+    if "trl-ppo" in systems and not (args.trl_ppo_path / "trl/experimental/ppo").is_dir():
+        logger.warning("no TRL with a PPO trainer in %s (pip install --no-deps --target %s "
+                       "trl==1.12.0): skipping the trl-ppo baseline",
+                       args.trl_ppo_path, args.trl_ppo_path)
+        systems.remove("trl-ppo")
     args.model_dir = write_benchmark_model(args.work_dir / "model-small", "small")
     args.prompt_file = write_prompt_file(args.work_dir / "prompts.jsonl")
     torch.set_num_threads(args.threads)

@@ -17,6 +17,7 @@ attention scores and values; a backward costs twice the forward.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -52,6 +53,25 @@ def write_prompt_file(path: str | Path, num_prompts: int = 512, seed: int = 0) -
     records = make_arithmetic_records(num_prompts, seed, min_digits=3, max_digits=3, ops=("+",))
     write_jsonl(records, path)
     return path
+
+
+def baseline_arguments(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line that `bench_rl_step.py` gives every baseline script."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", required=True, help="HF checkpoint directory.")
+    parser.add_argument("--prompts", required=True, help="Prompt JSONL (prompt, answer).")
+    parser.add_argument("--output", required=True, help="Per-step timings, JSON lines.")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="Every response max_new_tokens long (token parity).")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    return parser.parse_args(argv)
 
 
 def read_prompts(path: str | Path) -> list[dict]:

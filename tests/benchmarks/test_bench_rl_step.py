@@ -33,6 +33,16 @@ def test_realrl_step_rows_split_a_step_into_generate_inference_train_and_other(t
     assert row["generated_tokens"] == 960.0
 
 
+def test_other_is_undefined_when_calls_overlapped(tmp_path):
+    # actor_train and critic_train side by side on two workers: 0.4 + 0.4 s in a 0.6 s step.
+    metrics = {"step": 1, "timing/step_s": 0.6, "perf/compute_s": 0.8,
+               "timing/actor_train": 0.4, "timing/critic_train": 0.4}
+    metrics_file = tmp_path / "metrics.jsonl"
+    metrics_file.write_text(json.dumps(metrics) + "\n")
+    [row] = realrl_step_rows(metrics_file, num_seqs=32)
+    assert row["other_s"] != row["other_s"]  # NaN, printed as "-"
+
+
 def _run(system, repeat, seconds):
     return {"system": system, "mode": "fixed", "dtype": "float32", "repeat": repeat,
             "steps": [{"step_s": s} for s in seconds]}
@@ -44,6 +54,15 @@ def test_speedups_pair_runs_of_the_same_repeat():
     # Repeat 0: 3.3 / 1.1 = 3.0; repeat 1: 8 / 4 = 2.0; median 2.5.
     [line] = speedups(runs)
     assert "2.50x faster than trl" in line and "[3.0, 2.0]" in line
+
+
+def test_speedups_compare_each_realrl_system_with_the_baselines_of_its_algorithm():
+    runs = [_run("realrl-grpo", 0, [1.0]), _run("realrl-ppo", 0, [2.0]), _run("trl", 0, [3.0]),
+            _run("trl-ppo", 0, [7.0])]
+    assert speedups(runs) == [
+        "fixed float32: realrl-grpo is 3.00x faster than trl (per-repeat ratios [3.0])",
+        "fixed float32: realrl-ppo is 3.50x faster than trl-ppo (per-repeat ratios [3.5])",
+    ]
 
 
 def test_format_table_prints_one_row_per_system():
