@@ -14,11 +14,10 @@ temperature 1. Systems:
   (one thread each): the rollout of step i+1 (generation, reward) runs on worker 0 while
   step i trains on worker 1, so rollouts are one train step off-policy (AReaL-style). Not the
   same algorithm as the others: compare it as the asynchronous option it is;
-- `realrl-ppo`: full PPO (actor, critic, reference, rule reward; GAE, KL in the reward);
+- `realrl-ppo`: full PPO (actor, critic, reference, rule reward; GAE, KL in the reward). On
+  two CPU workers the launcher's `allocation_mode=auto` trains the actor and the critic side
+  by side, one worker each (`ref_inf` with the actor), and generates on both;
 - `realrl-ppo-compiled`: the same with the decode step and every model's blocks compiled;
-- `realrl-ppo-split`: compiled, with the independent calls side by side instead of each data
-  parallel over both workers: `ref_inf` and `actor_train` on worker 0, `critic_inf` and
-  `critic_train` on worker 1 (`PPO_SPLIT_LAYOUT`); the rollout stays on both;
 - `loop`: `baseline_loop.py`, one process, transformers `generate` + one forward/backward;
 - `trl`: `trl_grpo.py`, TRL's `GRPOTrainer` (skipped when `trl` is not importable);
 - `trl-ppo`: `trl_ppo.py`, TRL's `PPOTrainer` doing `realrl-ppo`'s work. TRL dropped it after
@@ -81,9 +80,6 @@ GRPO_OVERRIDES = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ct
 PPO_OVERRIDES = ["ppo.adv_estimator=gae", "ppo.kl_ctl=0.1"]
 PPO_COMPILED_OVERRIDES = [*PPO_OVERRIDES, "gen.compile=true",
                           *(f"{role}.compile=true" for role in ("actor", "critic", "ref"))]
-# The actor's and the critic's calls side by side, one worker each; the rollout on both.
-PPO_SPLIT_LAYOUT = ("allocation_mode=actor_gen:d2,rew_inf:d2,ref_inf:d1@0,critic_inf:d1@1,"
-                    "actor_train:d1@0,critic_train:d1@1")
 PIPELINED_OVERRIDES = [*GRPO_OVERRIDES, "gen.compile=true", "actor.compile=true",
                        "pipeline_rollout=true", "n_devices_per_node=2"]
 # Each realrl system's overrides; they come last on the command line, so they win.
@@ -94,12 +90,11 @@ REALRL_SYSTEMS = {
     "realrl-grpo-pipelined-noshare": [*PIPELINED_OVERRIDES, "share_idle_cores=false"],
     "realrl-ppo": PPO_OVERRIDES,
     "realrl-ppo-compiled": PPO_COMPILED_OVERRIDES,
-    "realrl-ppo-split": [*PPO_COMPILED_OVERRIDES, PPO_SPLIT_LAYOUT],
 }
 REALRL_GRPO = ("realrl-grpo", "realrl-grpo-compiled", "realrl-grpo-pipelined",
                "realrl-grpo-pipelined-noshare")
 PIPELINED_SYSTEMS = ("realrl-grpo-pipelined", "realrl-grpo-pipelined-noshare")
-REALRL_PPO = ("realrl-ppo", "realrl-ppo-compiled", "realrl-ppo-split")
+REALRL_PPO = ("realrl-ppo", "realrl-ppo-compiled")
 ALL_SYSTEMS = (*REALRL_GRPO, "loop", "trl", *REALRL_PPO, "trl-ppo")
 # Each realrl system against the baselines doing the same algorithm's work.
 BASELINES = {**{system: ("loop", "trl") for system in REALRL_GRPO},

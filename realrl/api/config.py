@@ -126,7 +126,10 @@ class BaseExperimentConfig:
     allocation_mode: str = help_field(
         "auto",
         "Parallel layout: 'auto', a global layout such as 'd2t1', or per-MFC layouts such as "
-        "'actor_gen:d2,actor_train:d1t2,*:d2' (optionally '@0-1' to pin ranks).",
+        "'actor_gen:d2,actor_train:d1t2,*:d2' (optionally '@0-1' to pin ranks). 'auto' runs "
+        "every MFC data parallel over all workers, except that on CPU workers a graph that "
+        "trains two models (PPO's actor and critic) runs each model's calls on its own half "
+        "of the workers, generation on all of them.",
     )
     pipeline_rollout: bool = help_field(
         False,
@@ -355,7 +358,7 @@ def resolve_config(
     return instance
 
 
-def _may_have_gpus() -> bool:
+def may_have_gpus() -> bool:
     """False only where no NVIDIA or AMD GPU driver is present (or CUDA_VISIBLE_DEVICES hides
     every GPU), so that CPU machines need not import torch to learn it."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
@@ -367,7 +370,7 @@ def detect_devices_per_node() -> int:
     """`n_devices_per_node=0`: the GPUs of this machine; without GPUs, one single-threaded
     worker per core for up to 2 cores (tiny models gain more from data parallelism across
     processes than from threads), then one worker per 2 cores, at most 4."""
-    if _may_have_gpus():
+    if may_have_gpus():
         import torch  # ~1.5 s of the launcher's start-up: only where a GPU driver exists
 
         if torch.cuda.is_available():

@@ -25,7 +25,7 @@ def test_launching_a_run_imports_neither_torch_nor_transformers(tmp_path):
         def start(self):
             raise Started
 
-        config._may_have_gpus = lambda: False  # as on a machine without a GPU driver
+        config.may_have_gpus = lambda: False  # as on a machine without a GPU driver
         processes.ProcessSupervisor.start = start
         from realrl.apps import quickstart
 
@@ -51,9 +51,9 @@ def test_gpus_are_probed_only_where_a_driver_or_visible_device_may_exist(monkeyp
     from realrl.api import config
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert not config._may_have_gpus()
+    assert not config.may_have_gpus()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setattr(config.os.path, "exists", lambda path: path == "/dev/nvidiactl")
-    assert config._may_have_gpus()
+    assert config.may_have_gpus()
     monkeypatch.setattr(config.os.path, "exists", lambda path: False)
-    assert not config._may_have_gpus()
+    assert not config.may_have_gpus()
