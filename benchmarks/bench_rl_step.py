@@ -32,9 +32,10 @@ train / other (for realrl "other" is step time minus the worker-side compute of 
 transport, splitting, merging and reallocation), the mean response length (natural-length
 runs stop at EOS, so it says whether two systems did the same work), generated tokens/s,
 model FLOP/s against the fp32 and bf16 matmul ceilings measured at the start of the same run,
-and peak resident memory summed over every process of the run. Per run, also its wall and CPU seconds (all processes,
-start-up included) and the 1-minute load average when it started: on a shared machine a load
-above the core count means every system got less than its threads' worth of CPU.
+and peak resident memory summed over every process of the run. Per run, also its wall and CPU
+seconds (all processes, start-up included) and the 1-minute load average when it started: on a
+shared machine a load above the core count means every system got less than its threads'
+worth of CPU.
 
 Threads: every system gets `--threads` (default 2, the machine's cores); realrl's launcher
 gives its model workers the cores between them (its master mostly waits on sockets). By default
@@ -170,7 +171,8 @@ def realrl_step_rows(metrics_file: Path, num_seqs: int) -> list[dict]:
             "inference_s": sum(timing.get(name, 0.0) for name in INFERENCE_MFCS),
             "train_s": sum(timing.get(name, 0.0) for name in TRAIN_MFCS),
             # Undefined when calls overlapped (their compute sums to more than the step).
-            "other_s": other if (other := step - metrics["perf/compute_s"]) >= 0 else float("nan"),
+            "other_s": other if (other := step - metrics["perf/compute_s"]) >= 0
+            else float("nan"),
             "realloc_s": realloc,
             "generated_tokens": num_seqs * metrics.get("actor_gen/response_length", 0.0),
         })
@@ -282,7 +284,8 @@ def format_table(summaries: list[dict]) -> str:
         return "-" if value is None or value != value else f"{value:.{digits}f}"
 
     lines = ["| mode | dtype | system | s/step (min-max) | gen | inf | train | other | "
-             "other % | resp len | gen tok/s | GFLOP/s (% ceil) | peak MiB | run wall/CPU s | load |",
+             "other % | resp len | gen tok/s | GFLOP/s (% ceil) | peak MiB | run wall/CPU s "
+             "| load |",
              "|" + "---|" * 15]
     for s in summaries:
         spread = s["step_s"]

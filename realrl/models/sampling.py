@@ -126,8 +126,8 @@ def select_tokens(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     selection itself has no random state and compiles into the decode step. A cumulative sum
     over the vocabulary is sequential and the slowest op of a small model's decode step, so
     large vocabularies go in two levels: pick a block of 128 tokens by the cumulative sum of
-    block sums, then a token inside it. The draw is kept strictly below the mass it inverts, so a zero-weight token
-    (a masked stop token) is never returned.
+    block sums, then a token inside it. The draw is kept strictly below the mass it inverts,
+    so a zero-weight token (a masked stop token) is never returned.
     """
     rows, vocab = weights.shape
     if vocab < TWO_LEVEL_MIN_VOCAB or vocab % _BLOCK != 0:

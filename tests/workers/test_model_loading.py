@@ -7,20 +7,21 @@ from realrl.launcher.defaults import fresh_default_model
 from realrl.workers.model_loading import load_engine
 
 
-def test_role_compile_key_reaches_the_loaded_module_of_that_role_only(tmp_path):
+def _load_actor_and_reference(tmp_path, override: str):
+    """The actor (trainable) and reference (frozen) engines of a PPO config with `override`."""
     model_path = fresh_default_model(tmp_path / "model")
     config = resolve_config(
         PPOMathConfig,
-        [
-            f"actor.path={model_path}",
-            f"ref.path={model_path}",
-            "actor.compile=true",
-            "ppo.kl_ctl=0.1",
-        ],
+        [f"actor.path={model_path}", f"ref.path={model_path}", override, "ppo.kl_ctl=0.1"],
     )
     models = config.build().models
     actor = load_engine(models["actor"], ParallelContext(), True, 1, seed=0)
     reference = load_engine(models["ref"], ParallelContext(), False, 1, seed=0)
+    return actor, reference
+
+
+def test_role_compile_key_reaches_the_loaded_module_of_that_role_only(tmp_path):
+    actor, reference = _load_actor_and_reference(tmp_path, "actor.compile=true")
     assert actor.module.compiled_blocks is not None
     assert actor.module.compiled_blocks.key == "actor.compile"  # named in compile errors
     assert reference.module.compiled_blocks is None
@@ -36,18 +37,6 @@ def test_single_model_experiments_name_their_compile_key_model(tmp_path):
 
 
 def test_role_share_prefixes_key_reaches_the_loaded_module_of_that_role_only(tmp_path):
-    model_path = fresh_default_model(tmp_path / "model")
-    config = resolve_config(
-        PPOMathConfig,
-        [
-            f"actor.path={model_path}",
-            f"ref.path={model_path}",
-            "ref.share_prefixes=false",
-            "ppo.kl_ctl=0.1",
-        ],
-    )
-    models = config.build().models
-    actor = load_engine(models["actor"], ParallelContext(), True, 1, seed=0)
-    reference = load_engine(models["ref"], ParallelContext(), False, 1, seed=0)
+    actor, reference = _load_actor_and_reference(tmp_path, "ref.share_prefixes=false")
     assert actor.module.share_prefixes  # on by default
     assert not reference.module.share_prefixes
