@@ -20,6 +20,7 @@ from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import recovery
 from realrl.workers.core_share import unlink_mapped_share_file
 from realrl.workers.data_source import DataSource
+from realrl.workers.heap_freeze import HeapFreezer
 from realrl.workers.master import Master, StepResult
 from realrl.workers.metrics_log import MetricsLogger
 from realrl.workers.rendezvous import Rendezvous
@@ -74,12 +75,14 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) ->
             logger.info("resumed from %s at step %d", checkpoint, first_step)
     metrics_logger = MetricsLogger(run_dir, plan.base, first_step)
     train_mfcs = plan.train_mfcs()
+    heap = HeapFreezer()
 
     async def end_of_step(step: int, result: StepResult, seconds: float,
                           rollout_wait_s: float | None = None) -> None:
         metrics_logger.log(step + 1, step_metrics(result, seconds, rollout_wait_s, train_mfcs))
         if saves_after(plan.base, step + 1):
             await recovery.save(master, data, run_dir, step + 1)
+        heap.between_requests(warmed_up=step == first_step)
 
     steps = range(first_step, plan.base.total_train_steps)
     try:
@@ -91,6 +94,7 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) ->
                 result = await master.run_step(data.next_batch(), more_prompts=data.next_batch)
                 await end_of_step(step, result, time.perf_counter() - started)
     finally:
+        heap.close()
         metrics_logger.finish()
     await master.broadcast("exit", {})
     for client in clients.values():

@@ -27,6 +27,7 @@ from realrl.interfaces.registry import make_interface
 from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import checkpointing
 from realrl.workers.core_share import CoreShare
+from realrl.workers.heap_freeze import HeapFreezer
 from realrl.workers.realloc import ProcessGroups, transfer_parameters
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import LayoutKey, RunPlan
@@ -204,6 +205,8 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
     worker = ModelWorker(rank, plan, groups, cores)
     rendezvous.publish(f"worker/{rank}/ready", "1")
     logger.info("worker %d ready at %s", rank, server.bound_address)
+    heap = HeapFreezer()
+    mfcs_run: set[str] = set()
     try:
         while True:
             received = server.recv(timeout_s=None)
@@ -220,7 +223,12 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
                 logger.exception("request %s failed", message.kind)
                 reply = message.error_reply(f"worker {rank}: {type(exc).__name__}: {exc}")
             server.send(peer, reply)
+            first_run = message.kind == "mfc" and message.header["mfc"] not in mfcs_run
+            if first_run:
+                mfcs_run.add(message.header["mfc"])
+            heap.between_requests(warmed_up=first_run)
     finally:
+        heap.close()
         server.close()
         if cores is not None:
             cores.close()

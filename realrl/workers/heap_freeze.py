@@ -1,0 +1,68 @@
+"""Keep Python's full garbage collections short in long-lived workers.
+
+A full collection walks every container object the process tracks. A model worker that has
+compiled its model holds ~460k of them (torch, transformers, and dynamo's and inductor's
+graphs and guards), and a full pass over them took 230-380 ms, landing at arbitrary points of
+a step. Data-parallel ranks collect at different moments and wait for each other in their
+collectives, so one step in three to five took 0.5 s longer (0.9 s instead of 0.4 s) in the
+compiled GRPO benchmark.
+
+`HeapFreezer` moves the objects alive after warm-up into the collector's permanent generation
+(`gc.freeze`), between requests, where no call is waiting on the process. Later full passes
+then only walk what is newer. It freezes:
+
+- after a warm-up call (a call's first run, which compiles), collecting first so that the
+  compiler's garbage is freed, not kept;
+- after any full pass that took longer than ``slow_pass_s`` (a later recompile, or a heap that
+  kept growing), without collecting again: that pass has just sorted live objects from
+  garbage.
+
+The cost: a frozen object that later becomes part of an unreachable reference cycle is never
+freed. Freezes happen a few times a run, at warm-up and after slow passes, so this is bounded
+by what those moments hold, not by the number of steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+class HeapFreezer:
+    def __init__(self, slow_pass_s: float = 0.02):
+        self.slow_pass_s = slow_pass_s
+        self.freezes = 0
+        self._pass_started: float | None = None
+        self._freeze_due = False
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._pass_started = time.perf_counter()
+        elif self._pass_started is not None:
+            if time.perf_counter() - self._pass_started > self.slow_pass_s:
+                self._freeze_due = True
+            self._pass_started = None
+
+    def between_requests(self, warmed_up: bool = False) -> None:
+        """Call where nothing waits on this process; `warmed_up`: a call just ran first."""
+        if not (warmed_up or self._freeze_due):
+            return
+        started = time.perf_counter()
+        if warmed_up:
+            gc.collect()
+        gc.freeze()
+        self._freeze_due = False
+        self.freezes += 1
+        logger.debug("froze the heap (%d objects frozen) in %.3f s",
+                     gc.get_freeze_count(), time.perf_counter() - started)
+
+    def close(self) -> None:
+        """Stop watching collections (frozen objects stay frozen)."""
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
