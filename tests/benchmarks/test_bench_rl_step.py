@@ -67,14 +67,14 @@ def test_speedups_compare_each_realrl_system_with_the_baselines_of_its_algorithm
 
 def test_format_table_prints_one_row_per_system():
     summary = {"system": "loop", "mode": "fixed", "dtype": "float32",
-               "step_s": {"median": 2.0, "min": 1.5, "max": 2.5, "n": 2},
+               "step_s": {"median": 2.0, "min": 1.5, "max": 2.5, "n": 2}, "mean_step_s": 2.25,
                "generate_s": 1.5, "inference_s": 0.0, "train_s": 0.5, "other_s": float("nan"),
                "other_fraction": None, "response_length": 21.5, "generated_tokens_per_s": 680.0,
                "model_gflops_per_s": 10.0, "fraction_of_ceiling": 0.1, "peak_memory_mib": 600.0,
                "run_wall_s": 20.0, "run_cpu_s": 38.0, "load_average": 2.1}
     table = format_table([summary]).splitlines()
     assert len(table) == 3
-    assert "| 2.00 (1.50-2.50, n=2) |" in table[2] and "10.0 (10.0%)" in table[2]
+    assert "| 2.00 (1.50-2.50, n=2) | 2.25 |" in table[2] and "10.0 (10.0%)" in table[2]
     assert "| 21.5 | 680 |" in table[2]  # mean response length, then generated tokens/s
 
 
@@ -86,7 +86,7 @@ def test_summary_reports_the_mean_response_length_over_every_measured_step(tmp_p
     args.model_dir = tmp_path
 
     def run(repeat, tokens):
-        steps = [{"step_s": 1.0, "generate_s": 0.5, "generated_tokens": t} for t in tokens]
+        steps = [{"step_s": t / 40, "generate_s": 0.5, "generated_tokens": t} for t in tokens]
         return {"system": "trl", "mode": "natural", "dtype": "float32", "repeat": repeat,
                 "steps": steps, "peak_memory_mib": 1.0, "cpu_s": 1.0,
                 "load_average_before": 0.0, "wall_s": 1.0}
@@ -94,6 +94,9 @@ def test_summary_reports_the_mean_response_length_over_every_measured_step(tmp_p
     [summary] = summarise(args, [run(0, [40.0, 48.0]), run(1, [100.0])], {"float32": 1.0})
     # 4 sequences a step; (40 + 48 + 100) / 3 steps / 4 = 15.67 tokens a response.
     assert abs(summary["response_length"] - 188.0 / 12) < 1e-9
+    # Medians per run (1.1 s, 2.5 s), their median 1.8 s; the mean of all three steps 1.57 s.
+    assert abs(summary["step_s"]["median"] - 1.8) < 1e-9
+    assert abs(summary["mean_step_s"] - 188.0 / 40 / 3) < 1e-9
 
 
 def test_measured_steps_drop_the_warm_up_and_a_pipelined_runs_last_step():
