@@ -118,7 +118,9 @@ class ModelWorker:
     # ------------------------------------------------------------------ handlers
 
     def handle(self, message: Message) -> Message:
-        with self.cores.busy() if self.cores else contextlib.nullcontext():
+        partners = (self.plan.allocations[message.header["mfc"]].mesh.ranks
+                    if message.kind == "mfc" else ())
+        with self.cores.busy(partners) if self.cores else contextlib.nullcontext():
             if message.kind != "mfc":
                 self.finish_sends()
             return self._handle(message)

@@ -73,6 +73,24 @@ def test_a_busy_worker_takes_the_threads_of_idle_peers_and_gives_them_back(
     assert torch.get_num_threads() == 2
 
 
+def test_a_worker_does_not_take_the_threads_of_its_own_calls_mesh(tmp_path, restore_threads):
+    first, second, third = (_share(tmp_path, slot, threads=2) for slot in range(3))
+    torch.set_num_threads(2)
+    # A data-parallel call on slots 0 and 1: slot 1 has not flagged itself busy yet, but it is
+    # about to serve the same request, so only idle slot 2 lends its threads.
+    with first.busy(partners=(0, 1)):
+        assert torch.get_num_threads() == 4
+        with second.busy(partners=(0, 1)):
+            first.rebalance()
+            assert torch.get_num_threads() == 4
+        with third.busy():
+            first.rebalance()
+            assert torch.get_num_threads() == 2
+    # The next call is this worker's alone: every idle peer lends again.
+    with first.busy(partners=(0,)):
+        assert torch.get_num_threads() == 6
+
+
 @pytest.fixture
 def restore_recompile_limit():
     limit = torch._dynamo.config.recompile_limit
