@@ -129,7 +129,8 @@ class BaseExperimentConfig:
         "'actor_gen:d2,actor_train:d1t2,*:d2' (optionally '@0-1' to pin ranks). 'auto' runs "
         "every MFC data parallel over all workers, except that on CPU workers a graph that "
         "trains two models (PPO's actor and critic) runs each model's calls on its own half "
-        "of the workers, generation on all of them.",
+        "of the workers, generation on all of them (CPU workers: a local run on a machine "
+        "without GPUs, or mode=slurm with slurm.gpu_request=none).",
     )
     pipeline_rollout: bool = help_field(
         False,

@@ -19,7 +19,7 @@ from realrl.api.allocation import (
     validate_model_divisibility,
 )
 from realrl.api.allocation_mode import parse_allocation_mode
-from realrl.api.config import BaseExperimentConfig, ConfigError
+from realrl.api.config import BaseExperimentConfig, ConfigError, LaunchMode
 from realrl.api.dfg import DataflowGraph, MFCKind
 from realrl.api.experiment import ExperimentSpec, ModelKind
 
@@ -154,6 +154,15 @@ def side_by_side_allocation_mode(spec: ExperimentSpec, graph: DataflowGraph,
     return ",".join([*entries, f"*:d{n_workers}"])
 
 
+def workers_without_gpus(config: BaseExperimentConfig) -> bool:
+    """Whether the model workers run on CPUs, as far as the launcher can tell: a SLURM job's
+    nodes have GPUs unless `slurm.gpu_request=none` (the launcher may run on a login node
+    without any), a local run's workers have this machine's."""
+    if config.mode == LaunchMode.slurm:
+        return config.slurm.gpu_request == "none"
+    return not api_config.may_have_gpus()
+
+
 def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     spec = config.build()
     graph = spec.graph()
@@ -162,7 +171,7 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     if config.pipeline_rollout and mode.strip() == "auto" and config.n_workers > 1:
         mode = split_allocation_mode(_train_mfcs(graph), config.n_workers)
         logger.info("allocation_mode=auto with pipeline_rollout=true: %s", mode)
-    elif mode.strip() == "auto" and not api_config.may_have_gpus():
+    elif mode.strip() == "auto" and workers_without_gpus(config):
         side_by_side = side_by_side_allocation_mode(spec, graph, config.n_workers)
         if side_by_side is not None:
             mode = side_by_side

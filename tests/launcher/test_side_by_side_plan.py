@@ -50,3 +50,15 @@ def test_every_mfc_stays_on_every_worker_otherwise(tmp_path, overrides):
 def test_gpu_machines_keep_the_data_parallel_default(tmp_path, monkeypatch):
     monkeypatch.setattr(api_config, "may_have_gpus", lambda: True)
     assert set(_ranks(tmp_path, ["n_devices_per_node=2"]).values()) == {(0, 1)}
+
+
+@pytest.mark.parametrize(("gpu_request", "side_by_side"), [("none", True), ("gres", False),
+                                                           ("gpus", False)])
+@pytest.mark.parametrize("launcher_has_gpus", [False, True])
+def test_a_slurm_jobs_layout_follows_its_nodes_not_the_launchers_machine(
+    tmp_path, monkeypatch, gpu_request, side_by_side, launcher_has_gpus
+):
+    monkeypatch.setattr(api_config, "may_have_gpus", lambda: launcher_has_gpus)
+    ranks = _ranks(tmp_path, ["mode=slurm", "n_devices_per_node=2",
+                              f"slurm.gpu_request={gpu_request}"])
+    assert (ranks["actor_train"] == (0,)) is side_by_side
