@@ -1,6 +1,6 @@
 """Packed causal attention on CPU: which kernel is fastest for which batch shape.
 
-Compares realrl's `padded`, `per_sequence` and `block_diagonal` kernels (and what `auto`
+Compares realrl's `padded`, `bucketed`, `per_sequence` and `block_diagonal` kernels (and what `auto`
 picks) on forward and forward+backward, for a few packed batches shaped like RL training
 batches. Medians over repeats, in milliseconds.
 
@@ -22,9 +22,11 @@ BATCHES = {
     "64 x 32-64 tokens": lambda g: torch.randint(32, 65, (64,), generator=g),
     "16 x 64-256 tokens": lambda g: torch.randint(64, 257, (16,), generator=g),
     "uneven: 1 x 1024 + 31 x 16": lambda g: torch.tensor([1024] + [16] * 31),
+    "outlier: 127 x 9-16 + 1 x 40": lambda g: torch.cat(
+        [torch.randint(9, 17, (127,), generator=g), torch.tensor([40])]),
     "4 x 512 tokens": lambda g: torch.full((4,), 512),
 }
-KERNELS = ("padded", "per_sequence", "block_diagonal")
+KERNELS = ("padded", "bucketed", "per_sequence", "block_diagonal")
 
 
 def time_kernel(kernel: str, lengths: torch.Tensor, backward: bool, repeats: int) -> float:

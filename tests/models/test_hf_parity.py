@@ -91,7 +91,7 @@ def test_packed_log_probs_equal_right_padded_transformers_batch(tmp_path):
     assert (packed_logprobs - unpadded).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("kernel", ["padded", "per_sequence", "block_diagonal"])
+@pytest.mark.parametrize("kernel", ["padded", "bucketed", "per_sequence", "block_diagonal"])
 def test_every_attention_kernel_gives_the_same_packed_logits(tmp_path, kernel):
     hf_model = save_hf(tmp_path, "llama")
     model = load_pretrained(tmp_path)

@@ -82,7 +82,7 @@ def assert_same_forward_and_gradients(model, sequences, tolerance: float):
         assert (gradient - shared_gradients[name]).abs().max() <= tolerance * scale, name
 
 
-@pytest.mark.parametrize("kernel", ["auto", "padded", "per_sequence", "block_diagonal"])
+@pytest.mark.parametrize("kernel", ["auto", "padded", "bucketed", "per_sequence", "block_diagonal"])
 @pytest.mark.parametrize("family", [("qwen2", {}), ("mistral", {"sliding_window": 4})])
 def test_sharing_prefixes_leaves_logits_and_gradients_unchanged(tmp_path, kernel, family):
     model_type, overrides = family
