@@ -2,10 +2,9 @@
 
 A full collection walks every container object the process tracks. A model worker that has
 compiled its model holds ~460k of them (torch, transformers, and dynamo's and inductor's
-graphs and guards), and a full pass over them took 230-380 ms, landing at arbitrary points of
-a step. Data-parallel ranks collect at different moments and wait for each other in their
-collectives, so one step in three to five took 0.5 s longer (0.9 s instead of 0.4 s) in the
-compiled GRPO benchmark.
+graphs and guards). In a compiled GRPO run a full pass over them took 340-470 ms, about every
+20 s of training, at an arbitrary point of a step (0.85 s instead of 0.38 s); data-parallel
+ranks collect at different moments and wait for each other in their collectives.
 
 `HeapFreezer` moves the objects alive after warm-up into the collector's permanent generation
 (`gc.freeze`), between requests, where no call is waiting on the process. Later full passes
