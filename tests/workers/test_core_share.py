@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import realrl.experiments  # noqa: F401  (registers ppo-math)
+from realrl.api import config as api_config
 from realrl.api import environment
+from realrl.api.config import resolve_config
+from realrl.api.registry import get_experiment
+from realrl.launcher.plan import build_plan
+from realrl.launcher.run import write_run_files
 from realrl.models.config import ModelConfig
 from realrl.models.generation import generate
 from realrl.models.sampling import GenerationConfig
@@ -22,6 +28,8 @@ from realrl.workers.core_share import (
     create_share_file,
     unlink_mapped_share_file,
 )
+from realrl.workers.model_worker import ModelWorker
+from realrl.workers.wire import Message
 
 
 @pytest.fixture
@@ -193,3 +201,25 @@ def test_decode_steps_do_not_call_back():
     generate(model, torch.randint(0, 32, (7,)), torch.tensor([0, 3, 7]), config,
              torch.Generator().manual_seed(0))
     assert len(calls) == 3
+
+
+def test_a_model_worker_lends_across_calls_but_not_within_a_calls_mesh(
+    tmp_path, restore_threads, monkeypatch
+):
+    # The real plan `ppo-math` gets on two CPU workers: generation data parallel over both,
+    # the actor's training on worker 0 and the critic's on worker 1.
+    monkeypatch.setattr(api_config, "may_have_gpus", lambda: False)
+    config = resolve_config(get_experiment("ppo-math").config_class,
+                            [f"output_root={tmp_path}", "n_devices_per_node=2"])
+    launch_plan = build_plan(config)
+    launch_plan.run_dir.mkdir(parents=True)
+    worker = ModelWorker.__new__(ModelWorker)  # no model shards: only the request path
+    worker.plan, worker.pending_sends = write_run_files(config, launch_plan), []
+    worker.cores = _share(tmp_path, slot=0, slots=2)
+    threads_seen = []
+    monkeypatch.setattr(worker, "_handle",
+                        lambda message: threads_seen.append(torch.get_num_threads()))
+    torch.set_num_threads(1)
+    for name in ("actor_gen", "actor_train"):  # worker 1 idle in both
+        worker.handle(Message("mfc", {"mfc": name}))
+    assert threads_seen == [1, 2]
