@@ -39,14 +39,17 @@ the 20 weights of the benchmark model (5 layers, hidden 256): 16 rows 3.0 -> 2.3
 It also needs no transposed copy of the weights, which cost ~11 ms per call. GPUs and
 tensor-parallel shards run the blocks as they are (`Block.forward`).
 
-Compiled decoding (`GenerationConfig.compile`). Every decode step attends over all cache
-columns under a mask, so its shapes never change within a call, and `torch.compile` builds
-it for the first batch shape it sees (the cache is padded to a multiple of
-`COMPILED_COLUMN_MULTIPLE` columns so that nearby prompt lengths share it). The first call
-with another shape (a data-parallel split that gives this worker more or fewer prompts)
-compiles once more with dynamic shapes, which then serves every shape; measured on 2 cores:
-5.7 s, then 12.9 s once, then never again over five other row counts. Fusing the element-wise
-ops makes small-model decoding 20-25% faster on CPU (`benchmarks/bench_generation.py`).
+Compiled decoding (`GenerationConfig.compile`). A decode step attends over the cache's
+columns up to the one it writes. That count is marked dynamic, so `torch.compile` builds one
+graph that serves every step of the first batch shape it sees (the cache is padded to a
+multiple of `COMPILED_COLUMN_MULTIPLE` columns so that nearby prompt lengths share it).
+Attending over every cache column under a mask would keep all shapes static, but a compiled
+generate of 16 rows is then 7% slower at 32 new tokens and 17-22% slower at 128 (one thread,
+the benchmark's model, alternating in one process). The first call with another batch shape
+(a data-parallel split that gives this worker more or fewer prompts) compiles once more with
+dynamic shapes, which then serves every shape; measured on 2 cores: 5.7 s, then 12.9 s once,
+then never again over five other row counts. Fusing the element-wise ops makes small-model
+decoding 20-25% faster on CPU (`benchmarks/bench_generation.py`).
 The choice of the next tokens runs in the same graph (`_decode_and_choose`): `generate` draws
 every step's uniforms from the torch.Generator before the loop, so a step has no random state
 and no eager sampling ops around it (a compiled generate of 16 rows x 32 tokens 0.161 ->
@@ -124,21 +127,21 @@ def _decode_step(
     column: torch.Tensor,  # 0-d long: the cache column this step writes
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    score_bias: torch.Tensor,
-    column_index: torch.Tensor,
+    score_bias: torch.Tensor,  # [rows, 1, 1, column + 1]: the cache's bias up to `column`
+    column_index: torch.Tensor,  # [column + 1]
 ) -> torch.Tensor:
     """One token per row at cache column `column` -> logits [rows, vocab] (fp32).
 
-    Attends over every cache column under a mask (columns after `column`, padding and, for
-    Mistral, columns outside the sliding window are -inf), so all shapes are the same at
-    every step and the step can be compiled once. A row's keys and query shift by the same
-    left padding, so the window is the same column range for every row.
+    Attends over the cache's columns [0, column] (`score_bias` and `column_index` come sliced
+    to them) under a mask: padding and, for Mistral, columns outside the sliding window are
+    -inf. A row's keys and query shift by the same left padding, so the window is the same
+    column range for every row.
     """
-    visible = column_index <= column
+    seen = column_index.shape[0]
+    bias = score_bias  # [rows, 1, 1, seen]
     window = model.config.sliding_window
     if window is not None:
-        visible = visible & (column_index > column - window)
-    bias = torch.where(visible, score_bias, float("-inf"))  # [rows, 1, 1, columns]
+        bias = torch.where(column_index > column - window, bias, float("-inf"))
     head_dim = model.config.head_dim
     # At one query per row, four small ops beat SDPA's CPU kernel (fp32 and bf16); GPUs keep SDPA.
     manual_attention = tokens.device.type == "cpu"
@@ -150,6 +153,7 @@ def _decode_step(
         layer_keys.index_copy_(2, where, key.unsqueeze(2))
         layer_values.index_copy_(2, where, value.unsqueeze(2))
         # The query heads sharing a kv head act as that head's queries: no kv repetition.
+        layer_keys, layer_values = layer_keys[:, :, :seen], layer_values[:, :, :seen]
         grouped_query = query.unflatten(1, (layer_keys.shape[1], -1)) * head_dim**-0.5
         if not manual_attention:
             out = F.scaled_dot_product_attention(
@@ -291,8 +295,8 @@ def _decode_and_choose(
     column: torch.Tensor,  # 0-d long
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    score_bias: torch.Tensor,
-    column_index: torch.Tensor,
+    score_bias: torch.Tensor,  # [rows, 1, 1, column + 1]
+    column_index: torch.Tensor,  # [column + 1]
     stop_mask: torch.Tensor,  # [vocab] bool: the stop tokens
     mask_stop: torch.Tensor,  # 0-d bool: stop tokens are masked out of sampling at this step
     draws: torch.Tensor,  # [rows, 1] uniforms
@@ -403,6 +407,11 @@ def generate(
         for step in range(1, max_new):
             if record.all_finished(config.check_done_every, bool(stop_ids)):
                 break
+            seen = layout.max_seqlen + step  # the columns up to the one this step writes
+            score_bias, column_index = cache.score_bias[..., :seen], cache.column_index[:seen]
+            if config.compile:  # compile one graph for every step, not one per column count
+                torch._dynamo.mark_dynamic(score_bias, 3)
+                torch._dynamo.mark_dynamic(column_index, 0)
             chosen = decode(
                 rule,
                 with_sampling,
@@ -412,8 +421,8 @@ def generate(
                 columns[step - 1],
                 cache.keys,
                 cache.values,
-                cache.score_bias,
-                cache.column_index,
+                score_bias,
+                column_index,
                 stop_mask,
                 mask_stop[step],
                 draws[step],

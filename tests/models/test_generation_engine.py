@@ -229,6 +229,10 @@ def test_greedy_generation_honours_mistral_sliding_window_like_transformers(tmp_
             )[0]
         assert sequence.tolist() == expected.tolist()
     assert (output.packed_logprobs - forward_logprobs(model, output)).abs().max() <= 1e-5
+    # The compiled step masks the window over a column count that grows every step.
+    config = dataclasses.replace(config, compile=True)
+    compiled = generate(model, packed, cu_seqlens, config, torch.Generator())
+    assert torch.equal(compiled.packed_input_ids, output.packed_input_ids)
 
 
 def test_small_decode_runs_on_one_thread_and_restores_the_thread_count(models, prompts):
@@ -258,7 +262,10 @@ def test_compiled_decode_step_matches_the_eager_one(models, prompts):
         model, *prompts, GenerationConfig(greedy=True, max_new_tokens=12), torch.Generator()
     )
     config = GenerationConfig(greedy=True, max_new_tokens=12, compile=True)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled = generate(model, *prompts, config, torch.Generator())
+    # Each step attends over one more column; one graph serves them all.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before + 1
     assert torch.equal(compiled.packed_input_ids, eager.packed_input_ids)
     assert (compiled.packed_logprobs - eager.packed_logprobs).abs().max() <= 1e-5
     sampled = generate(
