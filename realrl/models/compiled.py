@@ -15,8 +15,8 @@ one compiled graph. The token dimension is marked dynamic on every call, so the 
 compiles a graph that serves every packed batch; nothing recompiles later. Dynamo does guard
 on grad mode and on whether the weights require grad, so a process compiles each part once
 per use: training (forward + backward), no-grad inference of a trained model (e.g. the
-prefill before generation), and inference of a frozen model (and again per dtype); each
-compile takes seconds. The graphs live on the code objects of the two functions, so models of
+prefill before generation), and inference of a frozen model (and again per dtype and per
+CPU thread count; see `CompiledBlocks`); each compile takes seconds. The graphs live on the code objects of the two functions, so models of
 the same shape in one process (actor, critic, ref on one worker) share them, and a process
 stays far below dynamo's limit of 8 graphs per function (past it, dynamo would fall back to
 eager with a warning in the log).
@@ -100,19 +100,57 @@ class CompiledBlocks:
     """Runs a `Block` as compiled `before_attention`, eager `attend`, compiled `after_attention`.
 
     `key` is the config key that turned compiling on (e.g. `actor.compile`), for the error
-    raised when inductor cannot build code.
+    raised when inductor cannot build code. `thread_counts`: every CPU thread count this
+    process may run at (a model worker that borrows idle cores sets it,
+    `realrl.workers.core_share`). Dynamo guards compiled code on the thread count, so the
+    first call in each mode (training, inference, frozen inference, dtype) compiles the parts
+    for all of those counts at once, on two tokens, instead of once more mid-run at whichever
+    step a core is first lent. (With the token dimension dynamic, a forward that needs grad
+    compiles its backward at the same time.)
     """
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.before_attention: Callable = torch.compile(before_attention, fullgraph=True)
         self.after_attention: Callable = torch.compile(after_attention, fullgraph=True)
+        self.thread_counts: tuple[int, ...] = ()
+        self._modes_compiled: set[tuple] = set()
 
     def __call__(
         self,
         block: Block,
         hidden: torch.Tensor,  # [total_tokens, hidden]
         cos: torch.Tensor,  # [total_tokens, 1, head_dim]
+        sin: torch.Tensor,
+        attend: AttendFn,
+    ) -> torch.Tensor:
+        if self.thread_counts:
+            weight = block.attention.qkv.weight
+            mode = (torch.is_grad_enabled(), hidden.requires_grad, weight.requires_grad,
+                    hidden.dtype)
+            if mode not in self._modes_compiled:
+                self._modes_compiled.add(mode)
+                self._compile_for_thread_counts(block, hidden, cos, sin)
+        return self._run(block, hidden, cos, sin, attend)
+
+    def _compile_for_thread_counts(
+        self, block: Block, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        threads = torch.get_num_threads()
+        sample = hidden[:2].detach().requires_grad_(hidden.requires_grad)
+        try:
+            for count in self.thread_counts:
+                torch.set_num_threads(count)
+                # The query stands in for attention's output: same shape, same grad mode.
+                self._run(block, sample, cos[:2], sin[:2], lambda _, query, key, value: query)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(
+        self,
+        block: Block,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
         sin: torch.Tensor,
         attend: AttendFn,
     ) -> torch.Tensor:

@@ -17,8 +17,12 @@ Compiled code (`gen.compile`, `<role>.compile`) is guarded on the thread count: 
 compiles a function once more for every thread count it is called with, and past
 `torch._dynamo.config.recompile_limit` variants (8) it would run that function eagerly from
 then on. A worker here can run at `slots` different counts, so it raises that limit to
-`8 * slots` (16 with two workers); each further count compiles once, the first time it occurs
-(~0.3 s with inductor's cache warm).
+`8 * slots` (16 with two workers). Each further count compiles once (~0.3-0.7 s with
+inductor's cache warm, forward and backward). Compiled transformer blocks do that for every
+count at their first call in each mode (`attach`, `CompiledBlocks.thread_counts`); otherwise
+it would happen at whichever step a core is first lent, which in compiled PPO runs (the
+actor's and the critic's calls side by side) made a few steps 0.3-0.4 s slower well after
+warm-up.
 
 A worker never takes the threads of the other workers of its own call (a data-parallel mesh):
 they are starting the same request, so a core borrowed from one of them would come back within
@@ -42,8 +46,12 @@ import tempfile
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from realrl.api import environment
+
+if TYPE_CHECKING:
+    from realrl.models.transformer import Transformer
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,17 @@ class CoreShare:
         if not value or torch.cuda.is_available():
             return None
         return cls(CoreShareSpec.from_env(value))
+
+    def thread_counts(self) -> tuple[int, ...]:
+        """Every thread count this worker may run at: its own share plus 0 to all peers'."""
+        return tuple(self.spec.threads * k for k in range(1, self.spec.slots + 1))
+
+    def attach(self, module: Transformer) -> None:
+        """Re-balance threads between `module`'s layers, and have its compiled blocks (if any)
+        compile for every thread count at their first call rather than mid-run."""
+        module.between_layers = self.rebalance
+        if module.compiled_blocks is not None:
+            module.compiled_blocks.thread_counts = self.thread_counts()
 
     def threads_now(self) -> int:
         """Own share plus the shares of the peers that are idle now (while this one is busy)

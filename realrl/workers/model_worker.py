@@ -92,7 +92,7 @@ class ModelWorker:
                                  total_optimizer_steps=self.plan.base.total_train_steps * steps_per_call,
                                  seed=self.plan.base.seed * 1000 + replica_rank)
             if cores := self.cores:
-                engine.module.between_layers = cores.rebalance
+                cores.attach(engine.module)
             self.models[layout] = HostedModel(layout, engine)
             logger.info("hosting %s (%s, dp %d/%d, tp %d/%d)", layout, "trainable" if trains else
                         "frozen", coords.dp, allocation.strategy.data, coords.tp,

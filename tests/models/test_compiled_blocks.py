@@ -99,6 +99,38 @@ def test_compiled_blocks_match_eager_logits_and_gradients_without_recompiling(fa
         assert graphs_built() == GRAPHS_PER_MODE, f"after batch {seed}"
 
 
+def compiles_so_far() -> int:
+    """Graphs dynamo built plus graphs inductor compiled or loaded (forwards and backwards)."""
+    inductor = counters["inductor"]
+    return graphs_built() + sum(inductor[f"fxgraph_cache_{k}"] for k in ("miss", "hit", "bypass"))
+
+
+def test_the_first_call_compiles_every_thread_count_a_worker_can_run_at():
+    # A model worker that borrows idle cores runs at one or two threads. Its first training
+    # call compiles both counts, forwards and backwards, so a core lent at a later step
+    # compiles nothing and the results stay equal to eager.
+    eager, compiled = eager_and_compiled(build_model(**FAMILIES["qwen2"]))
+    compiled.compiled_blocks.thread_counts = (1, 2)
+    vocab_size = eager.config.vocab_size
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        logits_and_gradients(compiled, *packed_batch(FIRST_BATCH, vocab_size, 0))
+        assert graphs_built() == 2 * GRAPHS_PER_MODE
+        compiled_before = compiles_so_far()
+        torch.set_num_threads(2)
+        batch = packed_batch(SECOND_BATCH, vocab_size, 1)
+        logits, grads = logits_and_gradients(compiled, *batch)
+        assert compiles_so_far() == compiled_before
+        assert torch.get_num_threads() == 2
+        expected_logits, expected_grads = logits_and_gradients(eager, *batch)
+        torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_compiled_inference_of_a_frozen_bfloat16_critic_matches_eager():
     # A critic (value head outside the blocks), frozen like the `ref`/`critic_inf` engines,
     # in bf16, without grad: one test for three variants, as each costs its own C++ kernels.

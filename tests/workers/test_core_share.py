@@ -18,6 +18,7 @@ from realrl.api.config import resolve_config
 from realrl.api.registry import get_experiment
 from realrl.launcher.plan import build_plan
 from realrl.launcher.run import write_run_files
+from realrl.models.compiled import enable_compiled_blocks
 from realrl.models.config import ModelConfig
 from realrl.models.generation import generate
 from realrl.models.sampling import GenerationConfig
@@ -192,6 +193,19 @@ def test_the_model_calls_back_between_layers_in_forward_and_backward():
     assert len(calls) == 3
     logits.sum().backward()
     assert len(calls) == 6
+
+
+def test_attaching_a_model_hooks_its_layers_and_covers_every_thread_count(tmp_path):
+    share = _share(tmp_path, 0, slots=3, threads=2)
+    eager, _ = _tiny_model()
+    share.attach(eager)
+    assert eager.between_layers == share.rebalance
+    compiled, _ = _tiny_model()
+    enable_compiled_blocks(compiled, "actor.compile")
+    share.attach(compiled)
+    assert compiled.between_layers == share.rebalance
+    assert compiled.compiled_blocks.thread_counts == (2, 4, 6)  # own share + 0, 1 or 2 lent
+    share.close()
 
 
 def test_decode_steps_do_not_call_back():
