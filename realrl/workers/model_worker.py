@@ -28,6 +28,7 @@ from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import checkpointing
 from realrl.workers.core_share import CoreShare
 from realrl.workers.heap_freeze import HeapFreezer
+from realrl.workers.malloc import retain_freed_memory
 from realrl.workers.realloc import ProcessGroups, transfer_parameters
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import LayoutKey, RunPlan
@@ -195,6 +196,7 @@ def _layout_fields(data: dict) -> dict:
 
 def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
     """Run one model worker until the master says `exit` (or the supervisor stops us)."""
+    retain_freed_memory()
     secret = load_run_secret(os.environ.get(environment.RUN_DIR))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=rendezvous.torch_store("dist"), rank=rank,

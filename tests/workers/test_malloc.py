@@ -1,0 +1,63 @@
+"""`retain_freed_memory`: freed memory stays in the process (page faults counted in a child,
+so that this test process keeps glibc's defaults)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="mallopt's thresholds are glibc's"
+)
+
+# Forty 2 MiB tensors, each written, then all freed, five times after two warm-up rounds.
+# By default glibc either maps each one afresh or, once it serves them from its heap, finds
+# 80 MiB free at the heap's top, above any trim threshold it adapts to (64 MiB at most), and
+# returns it: every round faults on most pages again (20480 pages of 4 KiB).
+CHILD = textwrap.dedent("""
+    import os, resource, sys, torch
+    from realrl.workers.malloc import retain_freed_memory
+    retained = retain_freed_memory() if sys.argv[1] == "retain" else None
+
+    def faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    def allocate_and_free():
+        tensors = [torch.ones(2**19) for _ in range(40)]
+        del tensors
+
+    allocate_and_free()
+    allocate_and_free()
+    before = faults()
+    for _ in range(5):
+        allocate_and_free()
+    print(retained, (faults() - before) // 5)
+""")
+
+
+def faults_per_round(mode: str, **env: str) -> tuple[str, int]:
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", **env},
+    )
+    retained, faults = result.stdout.split()
+    return retained, int(faults)
+
+
+def test_freed_tensors_are_reused_without_page_faults():
+    _, default_faults = faults_per_round("default")
+    retained, faults = faults_per_round("retain")
+    assert default_faults >= 10000
+    assert retained == "True" and faults < 100
+
+
+def test_a_users_own_malloc_settings_stay_in_force():
+    retained, _ = faults_per_round("retain", MALLOC_TRIM_THRESHOLD_="131072")
+    assert retained == "False"
