@@ -125,16 +125,30 @@ def parse_number(answer: str) -> Fraction | None:
     return None
 
 
+def _divides_by_zero(answer: str) -> bool:
+    """`answer` is a plain or simple fraction over 0 (``8/0``, ``\\frac{8}{0}``): undefined."""
+    text = normalize_answer(answer)
+    fraction_match = _SIMPLE_FRACTION_PATTERN.match(text)
+    if fraction_match:
+        return int(fraction_match.group(3)) == 0
+    plain_match = _PLAIN_NUMBER_PATTERN.match(text)
+    return bool(plain_match and plain_match.group(3) and int(plain_match.group(3)[1:]) == 0)
+
+
 def fast_match(prediction: str, reference: str) -> bool | None:
     """Decide the easy cases without sympy: True/False when sure, None to ask math-verify.
 
     Two different integers are a sure mismatch, and so are two numbers too far apart for
     math-verify's rounding to 6 decimals to equate; closer ones are not (math-verify accepts
-    ``0.333333`` for ``1/3`` after rounding), so those go to the slow path.
+    ``0.333333`` for ``1/3`` after rounding), so those go to the slow path. A fraction over 0
+    never equals a number (math-verify reads ``8/0`` as sympy's complex infinity, ``0/0`` as
+    NaN); an untrained model writes such answers now and then.
     """
     if normalize_answer(prediction) == normalize_answer(reference):
         return True
     prediction_value, reference_value = parse_number(prediction), parse_number(reference)
+    if reference_value is not None and _divides_by_zero(prediction):
+        return False
     if prediction_value is None or reference_value is None:
         return None
     if prediction_value == reference_value:

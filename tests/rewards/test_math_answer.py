@@ -77,6 +77,10 @@ def test_fast_match_is_sure_only_when_it_can_be():
     assert fast_match("0.333333", "\\frac{1}{3}") is None
     assert fast_match(".3", "1017") is False
     assert fast_match("52/9", "1017") is False
+    # Over zero: math-verify's zoo or nan equals no number (checked against math-verify).
+    for undefined in ("8/0", "-3/0", "0/0", "\\frac{8}{0}", "$12/0$"):
+        assert fast_match(undefined, "1102") is False and fast_match(undefined, "0") is False
+    assert fast_match("8/0", "\\infty") is None  # not a number: math-verify decides
     assert fast_match("0.3334", "\\frac{1}{3}") is False
     assert fast_match("\\sqrt{2}", "2^{1/2}") is None
 
