@@ -10,16 +10,16 @@ padded kernels chosen from the packed layout) and stays eager, between two compi
     after_attention:  output projection + residual -> norm -> SwiGLU MLP + residual
 
 Both parts are plain functions of tensors: every weight is an argument, never a module
-attribute, so dynamo has no module identity or layer index to guard on and all layers share
-one compiled graph. The token dimension is marked dynamic on every call, so the first call
-compiles a graph that serves every packed batch; nothing recompiles later. Dynamo does guard
-on grad mode and on whether the weights require grad, so a process compiles each part once
-per use: training (forward + backward), no-grad inference of a trained model (e.g. the
-prefill before generation), and inference of a frozen model (and again per dtype and per
-CPU thread count; see `CompiledBlocks`); each compile takes seconds. The graphs live on the code objects of the two functions, so models of
-the same shape in one process (actor, critic, ref on one worker) share them, and a process
-stays far below dynamo's limit of 8 graphs per function (past it, dynamo would fall back to
-eager with a warning in the log).
+attribute, so dynamo has no module identity or layer index to guard on and all layers share one
+compiled graph. The token dimension is marked dynamic on every call, so the first call compiles
+a graph that serves every packed batch; nothing recompiles later. Dynamo does guard on grad
+mode and on whether the weights require grad, so a process compiles each part once per use:
+training (forward + backward), no-grad inference of a trained model (e.g. the prefill before
+generation), and inference of a frozen model (and again per dtype and per CPU thread count; see
+`CompiledBlocks`); each compile takes seconds. The graphs live on the code objects of the two
+functions, so models of the same shape in one process (actor, critic, ref on one worker) share
+them, and a process stays far below dynamo's limit of 8 graphs per function (past it, dynamo
+would fall back to eager with a warning in the log).
 
 Measured with `benchmarks/bench_train_compile.py` (the 4M-parameter benchmark model, 32 x 40
 tokens, fp32, 2-core CPU): forward + backward 0.45 -> 0.39 s on one thread and 0.25 -> 0.22 s
