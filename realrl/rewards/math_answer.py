@@ -109,30 +109,26 @@ def normalize_answer(answer: str) -> str:
 
 def parse_number(answer: str) -> Fraction | None:
     """`answer` as an exact rational when it is a plain number, decimal or simple fraction."""
+    try:
+        return _exact_number(answer)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _exact_number(answer: str) -> Fraction | None:
+    """`parse_number` without its error handling: ZeroDivisionError for a fraction over 0
+    (``8/0``, ``\\frac{8}{0}``), ValueError for a form that `Fraction` does not read."""
     text = normalize_answer(answer)
     if _THOUSANDS_PATTERN.match(text):
         text = text.replace(",", "")
     fraction_match = _SIMPLE_FRACTION_PATTERN.match(text)
-    try:
-        if fraction_match:
-            sign, numerator, denominator = fraction_match.groups()
-            value = Fraction(int(numerator), int(denominator))
-            return -value if sign else value
-        if _PLAIN_NUMBER_PATTERN.match(text):
-            return Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-    return None
-
-
-def _divides_by_zero(answer: str) -> bool:
-    """`answer` is a plain or simple fraction over 0 (``8/0``, ``\\frac{8}{0}``): undefined."""
-    text = normalize_answer(answer)
-    fraction_match = _SIMPLE_FRACTION_PATTERN.match(text)
     if fraction_match:
-        return int(fraction_match.group(3)) == 0
-    plain_match = _PLAIN_NUMBER_PATTERN.match(text)
-    return bool(plain_match and plain_match.group(3) and int(plain_match.group(3)[1:]) == 0)
+        sign, numerator, denominator = fraction_match.groups()
+        value = Fraction(int(numerator), int(denominator))
+        return -value if sign else value
+    if _PLAIN_NUMBER_PATTERN.match(text):
+        return Fraction(text)
+    return None
 
 
 def fast_match(prediction: str, reference: str) -> bool | None:
@@ -146,9 +142,13 @@ def fast_match(prediction: str, reference: str) -> bool | None:
     """
     if normalize_answer(prediction) == normalize_answer(reference):
         return True
-    prediction_value, reference_value = parse_number(prediction), parse_number(reference)
-    if reference_value is not None and _divides_by_zero(prediction):
-        return False
+    reference_value = parse_number(reference)
+    try:
+        prediction_value = _exact_number(prediction)
+    except ZeroDivisionError:
+        return False if reference_value is not None else None
+    except ValueError:
+        prediction_value = None
     if prediction_value is None or reference_value is None:
         return None
     if prediction_value == reference_value:
