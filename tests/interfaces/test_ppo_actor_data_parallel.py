@@ -1,16 +1,20 @@
 """Two gloo processes training the PPO actor on halves of a batch match one process on all of it.
 
 This checks the global-denominator rule end to end: whitening statistics, loss normalisers
-and gradient sums span the data-parallel group, so the split must not change the update.
+and gradient sums span the data-parallel group, so the split must not change the update. The
+gradient sum goes through shared memory (the default for CPU ranks on one machine) or through
+gloo's all-reduce (`REALRL_SHARED_MEMORY_SUM=0`); both must give the same update.
 """
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import EOS_ID, build_model, make_engine, rollout_batch
 
+from realrl.api import environment
 from realrl.api.dfg import MicroBatchSpec
 from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
 from realrl.backends import torch_engine
@@ -53,7 +57,8 @@ def _rollout(engine, reference_engine):
 
 
 def _train(parallel: ParallelContext, sample_indices: list[int]) -> dict[str, tuple]:
-    """Per mode: (parameters after two train steps, stats of the last step)."""
+    """Per mode: (parameters after two train steps, stats of the last step, whether the
+    gradients were summed in shared memory)."""
     results = {}
     for mode in MODES:
         reference_engine = make_engine(build_model(VOCAB_SIZE, seed=1), None, lr=None)
@@ -67,12 +72,14 @@ def _train(parallel: ParallelContext, sample_indices: list[int]) -> dict[str, tu
                 engine, data, MicroBatchSpec(max_tokens_per_microbatch=12)
             ).stats
         flat = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
-        results[mode] = (flat, stats)
+        buckets = engine.gradient_buckets
+        results[mode] = (flat, stats, buckets is not None and buckets.shared is not None)
     return results
 
 
-def _worker(rank: int, rendezvous: str, output: str) -> None:
+def _worker(rank: int, rendezvous: str, output: str, shared_memory: bool) -> None:
     torch.set_num_threads(1)
+    os.environ[environment.SHARED_MEMORY_SUM] = "1" if shared_memory else "0"
     # A bucket per few parameters of this tiny model (the default size would make one), so that
     # all-reduces start during each backward, in order.
     torch_engine.GRADIENT_BUCKET_BYTES = 2048
@@ -86,17 +93,21 @@ def _worker(rank: int, rendezvous: str, output: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "gloo"])
+def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path, shared_memory):
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     output = str(tmp_path / "result")
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2, join=True)
+    mp.spawn(
+        _worker, args=(str(tmp_path / "rendezvous"), output, shared_memory), nprocs=2, join=True
+    )
     single = _train(ParallelContext(), [0, 1, 2, 3])
     ranks = [torch.load(f"{output}.rank{rank}", weights_only=False) for rank in range(2)]
     for mode in MODES:
-        parameters, stats = single[mode]
+        parameters, stats, _ = single[mode]
         for rank_results in ranks:
-            rank_parameters, rank_stats = rank_results[mode]
+            rank_parameters, rank_stats, summed_in_shared_memory = rank_results[mode]
+            assert summed_in_shared_memory == shared_memory
             torch.testing.assert_close(rank_parameters, parameters, atol=1e-6, rtol=0)
             for name in (
                 "loss",
@@ -115,6 +126,8 @@ def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path):
 
 def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
     torch.set_num_threads(1)
+    # The overlap is gloo's (or NCCL's) all-reduce; a shared-memory sum runs after the backward.
+    os.environ[environment.SHARED_MEMORY_SUM] = "0"
     torch_engine.GRADIENT_BUCKET_BYTES = 2048
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
