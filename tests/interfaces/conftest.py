@@ -39,7 +39,13 @@ def build_model(vocab_size: int, seed: int = 0, family: str = "qwen2", critic: b
 
 
 def make_engine(
-    model, tokenizer, lr: float | None = 1e-3, parallel=None, seed: int = 0, adam_eps: float = 1e-8
+    model,
+    tokenizer,
+    lr: float | None = 1e-3,
+    parallel=None,
+    seed: int = 0,
+    adam_eps: float = 1e-8,
+    gradient_clipping: float = 0.0,
 ):
     """An engine over ``model``; ``lr=None`` freezes it. Parity tests pass a large ``adam_eps``:
     Adam's first steps are ``lr * g / (|g| + eps)``, which turns the rounding noise of a nearly
@@ -51,7 +57,7 @@ def make_engine(
             weight_decay=0.0,
             warmup_steps_proportion=0.0,
             lr_scheduler=LRScheduler.constant,
-            gradient_clipping=0.0,
+            gradient_clipping=gradient_clipping,
             eps=adam_eps,
         )
     engine = TorchEngine(model, tokenizer, parallel or ParallelContext(), optimizer, 100)

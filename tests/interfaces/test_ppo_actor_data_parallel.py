@@ -25,6 +25,8 @@ from realrl.interfaces.reference import ReferenceInterface
 
 VOCAB_SIZE = 52
 MODES = ("token-mean", "seq-mean-token-mean")
+# Below the gradients' norm (asserted), so that clipping scales them on every step.
+MAX_GRAD_NORM = 0.05
 
 
 def _config(mode: str) -> PPOActorConfig:
@@ -63,7 +65,12 @@ def _train(parallel: ParallelContext, sample_indices: list[int]) -> dict[str, tu
     for mode in MODES:
         reference_engine = make_engine(build_model(VOCAB_SIZE, seed=1), None, lr=None)
         engine = make_engine(
-            build_model(VOCAB_SIZE), None, lr=1e-3, parallel=parallel, adam_eps=1e-4
+            build_model(VOCAB_SIZE),
+            None,
+            lr=1e-3,
+            parallel=parallel,
+            adam_eps=1e-4,
+            gradient_clipping=MAX_GRAD_NORM,
         )
         data = _rollout(engine, reference_engine).reorder(sample_indices)
         actor = PPOActorInterface(_config(mode))
@@ -122,6 +129,7 @@ def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path, shar
             ):
                 assert abs(rank_stats[name] - stats[name]) < 1e-5, (mode, name)
         assert stats["num_sequences"] == 8
+        assert stats["grad_norm"] > MAX_GRAD_NORM
 
 
 def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
