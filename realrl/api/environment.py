@@ -16,6 +16,6 @@ CORE_SHARE = "REALRL_CORE_SHARE"
 CORE_SHARE_FILE = "REALRL_CORE_SHARE_FILE"
 # Where the built-in default model is built and cached; default ~/.cache/realrl.
 CACHE = "REALRL_CACHE"
-# "0" makes CPU data-parallel ranks on one machine sum their gradients through gloo's sockets
-# instead of shared memory (`realrl.backends.shared_memory_sum`).
-SHARED_MEMORY_SUM = "REALRL_SHARED_MEMORY_SUM"
+# "0" makes CPU ranks on one machine sum gradients and send weights through gloo's sockets
+# instead of shared memory (`realrl.backends.shared_memory`).
+SHARED_MEMORY = "REALRL_SHARED_MEMORY"

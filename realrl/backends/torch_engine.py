@@ -21,26 +21,25 @@ Measured for the 4M-parameter benchmark model on 2 gloo ranks: concatenating the
 the all-reduce and copying them back cost 8 + 18 + 4 ms per step when done after the backward.
 
 When every rank of a CPU data-parallel group runs on one machine, the buckets live in shared
-memory instead and are summed there after the backward (`realrl.backends.shared_memory_sum`):
+memory instead and are summed there after the backward (`realrl.backends.shared_memory`):
 gloo's socket all-reduce still cost ~25 ms of each rank's CPU per step with the overlap, and
-the summation through shared memory ~4 ms. `REALRL_SHARED_MEMORY_SUM=0` turns it off.
+the summation through shared memory ~4 ms. `REALRL_SHARED_MEMORY=0` turns it off.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from realrl.api import environment
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import LRScheduler, OptimizerConfig
-from realrl.backends.shared_memory_sum import SharedMemorySum
+from realrl.backends import shared_memory
+from realrl.backends.shared_memory import SharedMemorySum
 from realrl.models.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -99,7 +98,7 @@ class GradientBuckets:
     The views stay `.grad` across steps (`zero` clears them in place), so the backward adds
     into the buckets and nothing is copied in or out.
 
-    With `shared_memory` and a CPU group whose ranks all share this machine's memory, the
+    With `use_shared_memory` and a CPU group whose ranks all share this machine's memory, the
     buckets are views of a `SharedMemorySum` instead, and `finish` sums them there (nothing is
     sent during the backward).
     """
@@ -109,7 +108,7 @@ class GradientBuckets:
         parameters: list[torch.nn.Parameter],
         group,
         bucket_bytes: int,
-        shared_memory: bool = True,
+        use_shared_memory: bool = True,
     ) -> None:
         self.group = group
         self.parameters = parameters
@@ -124,7 +123,7 @@ class GradientBuckets:
         self.members.extend(open_buckets.values())
         specs = [(sum(p.numel() for p in members), members[0].dtype) for members in self.members]
         self.shared: SharedMemorySum | None = None
-        if shared_memory and all(m[0].device.type == "cpu" for m in self.members):
+        if use_shared_memory and all(m[0].device.type == "cpu" for m in self.members):
             self.shared = SharedMemorySum.connect(group, specs)
         if self.shared is not None:
             self.buckets = self.shared.tensors
@@ -309,7 +308,7 @@ class TorchEngine:
                 parameters,
                 group,
                 GRADIENT_BUCKET_BYTES,
-                shared_memory=os.environ.get(environment.SHARED_MEMORY_SUM, "1") != "0",
+                use_shared_memory=shared_memory.enabled(),
             )
             self.gradient_buckets = buckets
         return buckets

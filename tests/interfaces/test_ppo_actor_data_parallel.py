@@ -3,7 +3,7 @@
 This checks the global-denominator rule end to end: whitening statistics, loss normalisers
 and gradient sums span the data-parallel group, so the split must not change the update. The
 gradient sum goes through shared memory (the default for CPU ranks on one machine) or through
-gloo's all-reduce (`REALRL_SHARED_MEMORY_SUM=0`); both must give the same update.
+gloo's all-reduce (`REALRL_SHARED_MEMORY=0`); both must give the same update.
 """
 
 import os
@@ -86,7 +86,7 @@ def _train(parallel: ParallelContext, sample_indices: list[int]) -> dict[str, tu
 
 def _worker(rank: int, rendezvous: str, output: str, shared_memory: bool) -> None:
     torch.set_num_threads(1)
-    os.environ[environment.SHARED_MEMORY_SUM] = "1" if shared_memory else "0"
+    os.environ[environment.SHARED_MEMORY] = "1" if shared_memory else "0"
     # A bucket per few parameters of this tiny model (the default size would make one), so that
     # all-reduces start during each backward, in order.
     torch_engine.GRADIENT_BUCKET_BYTES = 2048
@@ -135,7 +135,7 @@ def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path, shar
 def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
     torch.set_num_threads(1)
     # The overlap is gloo's (or NCCL's) all-reduce; a shared-memory sum runs after the backward.
-    os.environ[environment.SHARED_MEMORY_SUM] = "0"
+    os.environ[environment.SHARED_MEMORY] = "0"
     torch_engine.GRADIENT_BUCKET_BYTES = 2048
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:

@@ -6,10 +6,12 @@ layouts; every rank saves its shard and the test reassembles each replica's full
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from realrl.api import environment
 from realrl.api.allocation import DeviceMesh, MFCAllocation, ParallelStrategy
 from realrl.api.config import BaseExperimentConfig
 from realrl.api.dfg import MFCDef, ParamReallocHook
@@ -132,8 +134,11 @@ def run_transfers(rank, world, model_path, layouts, etas, result_dir):
             )
 
 
-def worker(rank, world, port, model_path, cases, etas, result_dir):
+def worker(rank, world, port, model_path, cases, etas, result_dir, shared_memory):
+    from realrl.workers import realloc
+
     torch.set_num_threads(1)
+    os.environ[environment.SHARED_MEMORY] = "1" if shared_memory else "0"
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -141,6 +146,9 @@ def worker(rank, world, port, model_path, cases, etas, result_dir):
         case_dir = os.path.join(result_dir, f"case{case_index}")
         os.makedirs(case_dir, exist_ok=True)
         run_transfers(rank, world, model_path, layouts, etas, case_dir)
+    # Which broadcasts went through shared memory (True) or gloo (False) on this rank.
+    paths = [buffer is not None for buffer in realloc._SHARED_BUFFERS.values()]
+    torch.save(paths, os.path.join(result_dir, f"broadcast-paths-rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -191,18 +199,22 @@ TENSOR_PARALLEL_CASES = {
 ETAS = (1.0, 0.5, 0.01)
 
 
-def run_cases(tmp_path, cases: list[dict]) -> tuple[dict, dict]:
-    """Runs every case in one set of processes; returns (initial, trained) full parameters."""
+def run_cases(tmp_path, cases: list[dict], shared_memory: bool = True) -> tuple[dict, dict]:
+    """Runs every case in one set of processes; returns (initial, trained) full parameters.
+    Broadcasts go through shared memory or, with `shared_memory=False`, through gloo."""
     from realrl.launcher.run import free_port
 
     model_path = fresh_default_model(tmp_path / "model")
     world = max(world_size(layouts) for layouts in cases)
     mp.start_processes(
         worker,
-        args=(world, free_port(), str(model_path), cases, ETAS, str(tmp_path)),
+        args=(world, free_port(), str(model_path), cases, ETAS, str(tmp_path), shared_memory),
         nprocs=world,
         start_method="spawn",
     )
+    paths = [p for r in range(world) for p in torch.load(tmp_path / f"broadcast-paths-rank{r}.pt")]
+    assert paths == [True] * len(paths) if shared_memory else paths == []
+    assert not shared_memory or paths  # some case broadcasts
     initial = {n: p.detach() for n, p in load_pretrained(model_path).named_parameters()}
     trained = {}
     generator = torch.Generator().manual_seed(7)
@@ -242,9 +254,12 @@ def check_case(case_dir, layouts, initial, trained, config, case_name) -> None:
                 )
 
 
-def test_reallocation_and_ema_match_the_formula_across_data_parallel_layouts(tmp_path):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "gloo"])
+def test_reallocation_and_ema_match_the_formula_across_data_parallel_layouts(
+    tmp_path, shared_memory
+):
     """Every data-parallel case runs in one set of 3 processes (spawning costs seconds)."""
-    initial, trained = run_cases(tmp_path, list(LAYOUT_CASES.values()))
+    initial, trained = run_cases(tmp_path, list(LAYOUT_CASES.values()), shared_memory)
     config = load_pretrained(tmp_path / "model").config
     for index, (name, layouts) in enumerate(LAYOUT_CASES.items()):
         check_case(tmp_path / f"case{index}", layouts, initial, trained, config, name)
@@ -290,11 +305,12 @@ def test_broadcast_buckets_reuse_one_flat_buffer_that_grows_to_the_largest():
     assert other_dtype.dtype == torch.bfloat16 and other_dtype.data_ptr() != large.data_ptr()
 
 
-def posted_send_worker(rank, port, model_path, result_dir):
+def posted_send_worker(rank, port, model_path, result_dir, shared_memory):
     """Rank 0 owns the trained actor and only starts its last broadcast; rank 1 receives."""
     from realrl.workers import realloc
 
     torch.set_num_threads(1)
+    os.environ[environment.SHARED_MEMORY] = "1" if shared_memory else "0"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     realloc.BUCKET_BYTES = 64 * 1024  # several buckets: only the last one may be in flight
@@ -314,15 +330,23 @@ def posted_send_worker(rank, port, model_path, result_dir):
     else:
         state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         torch.save(state, os.path.join(result_dir, "received.pt"))
+    assert [b is not None for b in realloc._SHARED_BUFFERS.values()] == [True] * shared_memory
     dist.destroy_process_group()
 
 
-def test_a_posted_send_returns_before_the_receiver_and_sends_the_weights_it_had(tmp_path):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "gloo"])
+def test_a_posted_send_returns_before_the_receiver_and_sends_the_weights_it_had(
+    tmp_path, shared_memory
+):
     from realrl.launcher.run import free_port
 
     model_path = fresh_default_model(tmp_path / "model")
-    mp.start_processes(posted_send_worker, args=(free_port(), str(model_path), str(tmp_path)),
-                       nprocs=2, start_method="spawn")
+    mp.start_processes(
+        posted_send_worker,
+        args=(free_port(), str(model_path), str(tmp_path), shared_memory),
+        nprocs=2,
+        start_method="spawn",
+    )
     generator = torch.Generator().manual_seed(7)
     received = torch.load(tmp_path / "received.pt")
     for name, parameter in load_pretrained(model_path).named_parameters():

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from realrl.backends.shared_memory_sum import FILE_PREFIX, SharedMemorySum
+from realrl.backends.shared_memory import FILE_PREFIX, SharedMemorySum
 
 # Sizes around the chunking: one not a multiple of the 64-element cut, one smaller than a cut
 # (only rank 0 sums it), an empty one, and a bf16 one.
