@@ -168,11 +168,14 @@ _THREADS = ("OMP_NUM_THREADS={0} MKL_NUM_THREADS={0} REALRL_NUM_THREADS={0} "
             "OMP_WAIT_POLICY=${{OMP_WAIT_POLICY:-PASSIVE}}")
 
 _SUPERVISE = """\
-# End the job as soon as either step fails: SLURM then kills every remaining task.
+# End the job as soon as either step fails: SLURM then kills every remaining task. The workers
+# step is checked first: when a worker dies the master fails too, often within the same second,
+# and the worker is the cause to report.
 declare -A STEP_PIDS=([master]=$MASTER_PID [workers]=$WORKERS_PID)
 MASTER_DONE_AT=""
 while [ ${#STEP_PIDS[@]} -gt 0 ]; do
-  for step in "${!STEP_PIDS[@]}"; do
+  for step in workers master; do
+    [ -n "${STEP_PIDS[$step]:-}" ] || continue
     if ! kill -0 "${STEP_PIDS[$step]}" 2>/dev/null; then
       wait "${STEP_PIDS[$step]}"; status=$?
       unset "STEP_PIDS[$step]"

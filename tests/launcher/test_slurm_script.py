@@ -165,6 +165,19 @@ def test_failed_task_is_the_first_one_srun_reports_for_the_failed_step():
     assert find_failed_task("realrl: all steps finished\n", {}) is None
 
 
+def test_when_both_steps_have_failed_the_job_reports_the_workers_step(tmp_path):
+    # A killed worker makes the master fail too, often before the script's next check (a CI
+    # run reported the master): the worker is the cause.
+    job = SlurmJob(1, 4000, "22" * 32, "{}")
+    script = render_batch_script(_config(tmp_path, "mode=slurm"), job)
+    supervise = script[script.index("# End the job as soon as either step fails"):]
+    steps = "(exit 1) & MASTER_PID=$!\n(exit 137) & WORKERS_PID=$!\nsleep 0.3\n"
+    result = subprocess.run(["bash", "-c", steps + supervise], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 137
+    assert result.stdout == "realrl: step workers failed with exit code 137; ending the job\n"
+
+
 def test_placement_check_rejects_a_cyclic_layout(monkeypatch):
     monkeypatch.setenv("SLURM_NODEID", "1")
     monkeypatch.setenv("SLURM_LOCALID", "1")
