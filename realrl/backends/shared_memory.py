@@ -106,7 +106,7 @@ class SharedMemorySum:
         self.group = group
         self.rank = rank
         self.maps = maps  # one per rank of the group; kept alive while the views below exist
-        offsets = _offsets(specs)
+        offsets, _ = _layout(specs)
         self.views = [
             [
                 torch.frombuffer(memory, dtype=dtype, count=numel, offset=offset)
@@ -128,7 +128,7 @@ class SharedMemorySum:
     ) -> SharedMemorySum | None:
         """Collective over `group`: tensors of `specs` (numel, dtype) in shared memory, zeroed,
         or None on every rank when some rank cannot share memory with the others."""
-        total = _offsets(specs + [(0, torch.uint8)])[-1]
+        _, total = _layout(specs)
         size = dist.get_world_size(group)
         maps = connect_segments(group, [max(total, 1)] * size, "data-parallel sums", directory)
         if maps is None:
@@ -194,14 +194,14 @@ class SharedMemoryBroadcast:
         return dist.barrier(group=self.group, async_op=async_op)
 
 
-def _offsets(specs: list[tuple[int, torch.dtype]]) -> list[int]:
-    """Byte offsets of the tensors of `specs` in one file, each aligned to `ALIGNMENT`."""
+def _layout(specs: list[tuple[int, torch.dtype]]) -> tuple[list[int], int]:
+    """Byte offsets of the tensors of `specs` in one file, each aligned to `ALIGNMENT`, and the
+    file's size."""
     offsets, offset = [], 0
     for numel, dtype in specs:
         offsets.append(offset)
-        size = numel * torch.empty(0, dtype=dtype).element_size()
-        offset += -(-size // ALIGNMENT) * ALIGNMENT
-    return offsets
+        offset += -(-numel * dtype.itemsize // ALIGNMENT) * ALIGNMENT
+    return offsets, offset
 
 
 def _chunks(numel: int, parts: int) -> list[tuple[int, int]]:

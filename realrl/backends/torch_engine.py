@@ -39,7 +39,6 @@ import torch.distributed as dist
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import LRScheduler, OptimizerConfig
 from realrl.backends import shared_memory
-from realrl.backends.shared_memory import SharedMemorySum
 from realrl.models.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -122,9 +121,9 @@ class GradientBuckets:
                 self.members.append(open_buckets.pop(key))
         self.members.extend(open_buckets.values())
         specs = [(sum(p.numel() for p in members), members[0].dtype) for members in self.members]
-        self.shared: SharedMemorySum | None = None
+        self.shared: shared_memory.SharedMemorySum | None = None
         if use_shared_memory and all(m[0].device.type == "cpu" for m in self.members):
-            self.shared = SharedMemorySum.connect(group, specs)
+            self.shared = shared_memory.SharedMemorySum.connect(group, specs)
         if self.shared is not None:
             self.buckets = self.shared.tensors
         else:
@@ -141,7 +140,10 @@ class GradientBuckets:
         self.waiting: list[int] = []  # per bucket: gradients the backward has yet to finish
         self.launched = 0
         self.works: list = []
-        self.hooks = [p.register_post_accumulate_grad_hook(self._finished) for p in parameters]
+        # Shared-memory sums run after the backward: nothing to start while it runs.
+        self.hooks = [] if self.shared is not None else [
+            p.register_post_accumulate_grad_hook(self._finished) for p in parameters
+        ]
 
     def zero(self) -> None:
         """Zero every gradient and (re)attach each parameter's `.grad` to its bucket."""
@@ -162,7 +164,7 @@ class GradientBuckets:
         self.works = []
 
     def _finished(self, parameter: torch.nn.Parameter) -> None:
-        if self.armed and self.shared is None:
+        if self.armed:
             self.waiting[self.bucket_of[id(parameter)]] -= 1
             self._launch(complete_only=True)
 

@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from realrl.api.allocation import ParallelStrategy
 from realrl.backends import shared_memory
-from realrl.backends.shared_memory import SharedMemoryBroadcast
 from realrl.backends.torch_engine import TorchEngine
 from realrl.models.config import ModelConfig
 from realrl.models.tensor_parallel import shard_state_dict, unshard_state_dicts
@@ -225,19 +224,19 @@ def _flat_buffer(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 # Shared-memory broadcast buffers by (broadcast group ranks, sender), grown to the largest
 # bucket sent; None where the group's ranks cannot share memory (they use gloo's broadcast).
-_SHARED_BUFFERS: dict[tuple[tuple[int, ...], int], SharedMemoryBroadcast | None] = {}
+_SHARED_BUFFERS: dict[tuple[tuple[int, ...], int], shared_memory.SharedMemoryBroadcast | None] = {}
 
 
 def _shared_buffer(
     group_ranks: list[int], root: int, group: dist.ProcessGroup, nbytes: int
-) -> SharedMemoryBroadcast | None:
+) -> shared_memory.SharedMemoryBroadcast | None:
     """Collective over `group` the first time and whenever a bucket outgrows the buffer."""
     key = (tuple(group_ranks), root)
     if key in _SHARED_BUFFERS and (
         _SHARED_BUFFERS[key] is None or _SHARED_BUFFERS[key].capacity >= nbytes
     ):
         return _SHARED_BUFFERS[key]
-    _SHARED_BUFFERS[key] = SharedMemoryBroadcast.connect(group, root, nbytes)
+    _SHARED_BUFFERS[key] = shared_memory.SharedMemoryBroadcast.connect(group, root, nbytes)
     return _SHARED_BUFFERS[key]
 
 
@@ -248,7 +247,7 @@ def _broadcast_bucket(
     root: int,
     group: dist.ProcessGroup,
     device,
-    shared: SharedMemoryBroadcast | None = None,
+    shared: shared_memory.SharedMemoryBroadcast | None = None,
     pending: list[dist.Work] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The bucket's full tensors on every rank of `group`, as views into a reused buffer: use
@@ -257,19 +256,15 @@ def _broadcast_bucket(
     `pending`, the broadcast is only started and its handle appended there: the buffer must not
     be reused before it completes."""
     numel = sum(shape.numel() for _, shape in bucket)
+    flat = _flat_buffer(numel, dtype, device) if shared is None else shared.buffer(numel, dtype)
+    if full is not None:
+        torch.cat([full[name].reshape(-1) for name, _ in bucket], out=flat)
     if shared is not None:
-        flat = shared.buffer(numel, dtype)
-        if full is not None:
-            torch.cat([full[name].reshape(-1) for name, _ in bucket], out=flat)
         shared.publish()
+    elif pending is None:
+        dist.broadcast(flat, src=root, group=group)
     else:
-        flat = _flat_buffer(numel, dtype, device)
-        if full is not None:
-            torch.cat([full[name].reshape(-1) for name, _ in bucket], out=flat)
-        if pending is None:
-            dist.broadcast(flat, src=root, group=group)
-        else:
-            pending.append(dist.broadcast(flat, src=root, group=group, async_op=True))
+        pending.append(dist.broadcast(flat, src=root, group=group, async_op=True))
     sizes = [shape.numel() for _, shape in bucket]
     return {
         name: part.view(shape)
@@ -334,15 +329,11 @@ def transfer_parameters(
     to `pending`: the receivers finish on their own, and the caller must wait for the handle
     before the next transfer (which reuses the buffer). Its parameters may change meanwhile.
     """
-    sender = source_rank(source)
-    gathers = rank == sender or (tensor_size(source) > 1 and rank in gather_group_ranks(source))
-    group_ranks = transfer_group_ranks(source, target)
-    receives = rank != sender and rank in group_ranks
     released = None  # a sender's handle on the receivers' last release of its buffer
-    if _needs_full_parameters(source, target) and (gathers or receives):
+    if _needs_full_parameters(source, target):
         released = _send_full_parameters(
             source_engine, target_engine, source, target, rank, eta, groups, plan,
-            posts=pending is not None, gathers=gathers, receives=receives,
+            posts=pending is not None,
         )
     # Local blends come last: in shared memory the receivers read the sender's buffer meanwhile.
     if rank in local_ranks(source, target):
@@ -359,12 +350,16 @@ def transfer_parameters(
 
 def _send_full_parameters(source_engine, target_engine, source: LayoutKey, target: LayoutKey,
                           rank: int, eta: float, groups: ProcessGroups, plan: RunPlan, *,
-                          posts: bool, gathers: bool, receives: bool) -> dist.Work | None:
-    """Gather, broadcast and blend the full parameters, bucket by bucket, on a rank that
+                          posts: bool) -> dist.Work | None:
+    """Gather, broadcast and blend the full parameters, bucket by bucket, where this rank
     gathers or receives (`transfer_parameters`). Returns the handle a sender must wait on
     before its buffer is written again, if any."""
     sender = source_rank(source)
+    gathers = rank == sender or (tensor_size(source) > 1 and rank in gather_group_ranks(source))
     group_ranks = transfer_group_ranks(source, target)
+    receives = rank != sender and rank in group_ranks
+    if not (gathers or receives):
+        return None
     gather_group = (
         groups.tensor_group(source, rank) if gathers and tensor_size(source) > 1 else None
     )
@@ -389,8 +384,8 @@ def _send_full_parameters(source_engine, target_engine, source: LayoutKey, targe
             full = _gather_bucket(
                 source_engine, [name for name, _ in bucket], wire_dtype, sender, gather_group
             )
-        last = index == len(buckets) - 1
         if broadcast_group is not None:
+            last = index == len(buckets) - 1
             if released is not None:  # the buffer is free again
                 released.wait()
             full = _broadcast_bucket(
