@@ -1,5 +1,6 @@
 """The CLI as a user drives it: real subprocesses of `python -m realrl.apps.quickstart`."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -42,6 +43,17 @@ def test_unknown_key_exits_non_zero_naming_it_without_traceback():
     assert result.returncode == 2
     assert "actor.nonexistent" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_bad_shared_memory_setting_is_refused_before_anything_starts(tmp_path):
+    result = subprocess.run(
+        [*QUICKSTART, "sft", f"output_root={tmp_path}"], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "REALRL_SHARED_MEMORY": "off"},
+    )
+    assert result.returncode == 2
+    assert "REALRL_SHARED_MEMORY='off' is neither 0 nor 1" in result.stderr
+    assert "set it to 0" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "sft").exists()
 
 
 def test_unknown_experiment_suggests_the_nearest():
