@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+from realrl.api.config import ConfigError
+
 # Set by the launchers (local and SLURM) for every process: the run directory.
 RUN_DIR = "REALRL_RUN_DIR"
 # The run's HMAC secret in hex, for processes that cannot read it from the run directory.
@@ -19,3 +23,15 @@ CACHE = "REALRL_CACHE"
 # "0" makes CPU ranks on one machine sum gradients and send weights through gloo's sockets
 # instead of shared memory (`realrl.backends.shared_memory`).
 SHARED_MEMORY = "REALRL_SHARED_MEMORY"
+
+
+def shared_memory_enabled() -> bool:
+    """`REALRL_SHARED_MEMORY`: "1" (the default) or "0"; any other value is a `ConfigError`
+    naming the fix. Read without torch, so the launcher checks it before starting anything."""
+    value = os.environ.get(SHARED_MEMORY, "1")
+    if value not in ("0", "1"):
+        raise ConfigError([
+            f"{SHARED_MEMORY}={value!r} is neither 0 nor 1: set it to 0 to sum gradients and "
+            "send weights through gloo, or to 1 (or unset it) for shared memory"
+        ])
+    return value == "1"

@@ -41,27 +41,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from realrl.api import environment
-from realrl.api.config import ConfigError
-
 logger = logging.getLogger(__name__)
 
 SHARED_MEMORY = Path("/dev/shm")
 FILE_PREFIX = "realrl-shm-"
 # Tensors start at multiples of this many bytes in a file (a cache line).
 ALIGNMENT = 64
-
-
-def enabled() -> bool:
-    """Whether shared memory may be used at all (`REALRL_SHARED_MEMORY`: "1", the default, or
-    "0"); any other value is a `ConfigError` naming the fix."""
-    value = os.environ.get(environment.SHARED_MEMORY, "1")
-    if value not in ("0", "1"):
-        raise ConfigError([
-            f"{environment.SHARED_MEMORY}={value!r} is neither 0 nor 1: set it to 0 to sum "
-            "gradients and send weights through gloo, or to 1 (or unset it) for shared memory"
-        ])
-    return value == "1"
 
 
 def connect_segments(

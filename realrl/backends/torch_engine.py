@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from realrl.api import environment
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import LRScheduler, OptimizerConfig
 from realrl.backends import shared_memory
@@ -310,7 +311,7 @@ class TorchEngine:
                 parameters,
                 group,
                 GRADIENT_BUCKET_BYTES,
-                use_shared_memory=shared_memory.enabled(),
+                use_shared_memory=environment.shared_memory_enabled(),
             )
             self.gradient_buckets = buckets
         return buckets

@@ -20,7 +20,6 @@ from pathlib import Path
 from realrl.api import environment
 from realrl.api.config import BaseExperimentConfig, RecoverMode, to_yaml, usable_cores
 from realrl.api.experiment import ModelRoleConfig
-from realrl.backends import shared_memory
 from realrl.launcher.plan import LaunchPlan, build_plan
 from realrl.launcher.processes import (
     ProcessFailure,
@@ -147,7 +146,7 @@ def run_experiment(config: BaseExperimentConfig) -> int:
     The launch plan is built here, once, after empty model paths are resolved (its checks
     read each model's config).
     """
-    shared_memory.enabled()  # a bad REALRL_SHARED_MEMORY fails here, not in a worker mid-run
+    environment.shared_memory_enabled()  # a bad REALRL_SHARED_MEMORY fails here, not in a worker mid-run
     if config.mode.value == "slurm":
         from realrl.launcher.slurm import run_on_slurm
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from realrl.api import environment
 from realrl.api.allocation import ParallelStrategy
 from realrl.backends import shared_memory
 from realrl.backends.torch_engine import TorchEngine
@@ -371,7 +372,7 @@ def _send_full_parameters(source_engine, target_engine, source: LayoutKey, targe
     buckets = list(_buckets(shapes, wire_dtype.itemsize))
     posts = posts and rank == sender and not blends and engine.device.type == "cpu"
     shared = None
-    if broadcast_group is not None and engine.device.type == "cpu" and shared_memory.enabled():
+    if broadcast_group is not None and engine.device.type == "cpu" and environment.shared_memory_enabled():
         largest = max(sum(shape.numel() for _, shape in bucket) for bucket in buckets)
         shared = _shared_buffer(
             group_ranks, sender, broadcast_group, largest * wire_dtype.itemsize
