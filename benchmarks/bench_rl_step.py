@@ -103,6 +103,8 @@ BASELINES = {**{system: ("loop", "trl") for system in REALRL_GRPO},
 PPO_SYSTEMS = (*REALRL_PPO, "trl-ppo")
 INFERENCE_MFCS = ("rew_inf", "ref_inf", "critic_inf")
 TRAIN_MFCS = ("actor_train", "critic_train")
+# Train calls and their forwards sent ahead (`MFCDef.forward_keys`).
+TRAIN_TIMINGS = (*TRAIN_MFCS, *(f"{name}/forward" for name in TRAIN_MFCS))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -169,7 +171,7 @@ def realrl_step_rows(metrics_file: Path, num_seqs: int) -> list[dict]:
         rows.append({
             "step": metrics["step"], "step_s": step, "generate_s": timing.get("actor_gen", 0.0),
             "inference_s": sum(timing.get(name, 0.0) for name in INFERENCE_MFCS),
-            "train_s": sum(timing.get(name, 0.0) for name in TRAIN_MFCS),
+            "train_s": sum(timing.get(name, 0.0) for name in TRAIN_TIMINGS),
             # Undefined when calls overlapped (their compute sums to more than the step).
             "other_s": other if (other := step - metrics["perf/compute_s"]) >= 0
             else float("nan"),

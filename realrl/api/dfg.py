@@ -64,11 +64,16 @@ class MFCDef:
     microbatch: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     pre_hooks: list[Hook] = field(default_factory=list)
     post_hooks: list[Hook] = field(default_factory=list)
+    # A train MFC's inputs that its forward needs, when fewer than all: once they exist the
+    # master sends the forward ahead (the interface's `train_forward`), and the train call
+    # takes it from the engine. Empty: the train call runs its own forward.
+    forward_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.kind = MFCKind(self.kind)
         self.input_keys = tuple(self.input_keys)
         self.output_keys = tuple(self.output_keys)
+        self.forward_keys = tuple(self.forward_keys)
 
     @property
     def is_train(self) -> bool:
@@ -97,7 +102,7 @@ class DataflowGraph:
         problems = self._check_names(mfcs) + self._check_roles(mfcs)
         self.producers: dict[str, str] = {key: DATASET for key in self.dataset_keys}
         problems += self._collect_producers(mfcs)
-        problems += self._check_inputs(mfcs)
+        problems += self._check_inputs(mfcs) + self._check_forward_keys(mfcs)
         if problems:
             raise GraphError(problems)
         self.parents = {
@@ -156,6 +161,22 @@ class DataflowGraph:
                         f"MFC `{mfc.name}` needs key `{key}`, which no MFC produces and the dataset "
                         f"does not provide (available keys: {', '.join(available) or 'none'})."
                     )
+        return problems
+
+    @staticmethod
+    def _check_forward_keys(mfcs: Sequence[MFCDef]) -> list[str]:
+        problems = []
+        for mfc in mfcs:
+            if mfc.forward_keys and not mfc.is_train:
+                problems.append(
+                    f"MFC `{mfc.name}` is a {mfc.kind.value} call with forward_keys; only train "
+                    f"calls run their forward ahead."
+                )
+            extra = [key for key in mfc.forward_keys if key not in mfc.input_keys]
+            if extra:
+                problems.append(
+                    f"MFC `{mfc.name}`: forward_keys {extra} are not among its input_keys."
+                )
         return problems
 
     def _topological_levels(self) -> list[list[str]]:

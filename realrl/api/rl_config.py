@@ -86,6 +86,13 @@ class PPOHyperparameters:
     )
     num_minibatches: int = help_field(1, "PPO mini-batches per step (optimizer steps per epoch).")
     num_epochs: int = help_field(1, "Passes over the step's batch.")
+    reuse_forward: bool = help_field(
+        True,
+        "With one epoch of one mini-batch, each trained model's first forward of a step is its "
+        "training forward: critic_inf keeps its graph for critic_train, and actor_train's "
+        "forward runs beside ref_inf and critic_inf. Same updates; holds a call's activations "
+        "until its train call. false: plain order.",
+    )
     eps_clip: float = help_field(0.2, "PPO ratio clip range (low side, and high side by default).")
     eps_clip_high: float | None = help_field(
         None, "High-side clip range (DAPO clip-higher, e.g. 0.28); null: same as eps_clip."
@@ -143,6 +150,11 @@ class PPOHyperparameters:
     max_generation_rounds: int = help_field(
         4, "Dynamic sampling: give up (with an error) after this many generation rounds."
     )
+
+    def reuses_forward(self) -> bool:
+        """Whether the train calls take the forward run ahead (`reuse_forward`): only a step's
+        first optimizer step runs on the weights that forward saw."""
+        return self.reuse_forward and self.num_epochs * self.num_minibatches == 1
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

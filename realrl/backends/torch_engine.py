@@ -78,7 +78,9 @@ def lr_multiplier(step: int, total_steps: int, config: OptimizerConfig) -> float
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * decay
 
 
-LossFn = Callable[[Transformer, SequenceSample], tuple[torch.Tensor, dict[str, float]]]
+# The model's forward as a loss sees it: (packed_input_ids, cu_seqlens) -> output.
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Forward, SequenceSample], tuple[torch.Tensor, dict[str, float]]]
 
 # Gradients are summed over data-parallel ranks in buckets of about this many bytes.
 GRADIENT_BUCKET_BYTES = 4 * 2**20
@@ -202,6 +204,20 @@ class GradientBuckets:
             hook.remove()
 
 
+@dataclass
+class _KeptForward:
+    """A training forward run before its train call, with its autograd graph."""
+
+    packed_input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    output: torch.Tensor
+
+    def matches(self, packed_input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+        return torch.equal(self.cu_seqlens, cu_seqlens) and torch.equal(
+            self.packed_input_ids, packed_input_ids
+        )
+
+
 class TorchEngine:
     def __init__(
         self,
@@ -224,6 +240,9 @@ class TorchEngine:
         self.offloaded = False
         self.sharded_parameter_ids = sharded_parameter_ids(module)
         self.gradient_buckets: GradientBuckets | None = None  # made by the first train step
+        # Forwards kept for the next train call, and the weights they were computed with.
+        self._kept: list[_KeptForward] = []
+        self._kept_weights: tuple[int, ...] = ()
         if optimizer_config is not None:
             self.optimizer = torch.optim.AdamW(
                 [p for p in module.parameters() if p.requires_grad],
@@ -263,14 +282,58 @@ class TorchEngine:
             self.module.to(self.home_device)
             self.offloaded = False
 
-    @torch.no_grad()
-    def forward(self, packed_input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        self.module.eval()
-        return self.module(packed_input_ids.to(self.device), cu_seqlens.to(self.device))
+    def forward(
+        self, packed_input_ids: torch.Tensor, cu_seqlens: torch.Tensor, keep: bool = False
+    ) -> torch.Tensor:
+        """The module's output, detached.
+
+        With `keep` (a trainable engine) the forward runs as training runs it and keeps its
+        autograd graph: the next `train_microbatches` whose loss runs the forward on the same
+        input, with the same weights, takes this output instead of computing it again. PPO
+        uses it for the forward its critic computes values with, and for the actor's training
+        forward, started before the train call's other inputs exist. Whatever that train call
+        does not use is dropped when it ends.
+        """
+        packed_input_ids, cu_seqlens = packed_input_ids.to(self.device), cu_seqlens.to(self.device)
+        if not keep:
+            self.module.eval()
+            with torch.no_grad():
+                return self.module(packed_input_ids, cu_seqlens)
+        assert self.optimizer is not None, "forward(keep=True) on a frozen model"
+        weights = self._weights_version()
+        if weights != self._kept_weights:
+            self._kept, self._kept_weights = [], weights
+        self.module.train()
+        with torch.enable_grad():
+            output = self.module(packed_input_ids, cu_seqlens)
+        self._kept.append(_KeptForward(packed_input_ids, cu_seqlens, output))
+        return output.detach()
+
+    def _weights_version(self) -> tuple[int, ...]:
+        """Changes with every in-place write to the weights (reallocation, checkpoint loads).
+        The optimizer's steps (the fused step does not count as one) happen only inside
+        `train_microbatches`, which drops every kept forward."""
+        return tuple(p._version for p in self.module.parameters())
+
+    def _take_kept(self, reused: list[int]) -> Forward:
+        """The forward for this train call's losses: a kept output where one matches (counted
+        in `reused`)."""
+        kept = self._kept if self._kept_weights == self._weights_version() else []
+        self._kept, self._kept_weights = [], ()
+
+        def forward(packed_input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+            for index, candidate in enumerate(kept):
+                if candidate.matches(packed_input_ids, cu_seqlens):
+                    reused.append(index)
+                    return kept.pop(index).output
+            return self.module(packed_input_ids, cu_seqlens)
+
+        return forward
 
     def train_microbatches(self, microbatches: Sequence[SequenceSample], loss_fn: LossFn) -> dict:
         """One optimizer step over `microbatches`; `loss_fn` returns each one's share of the
-        whole-batch loss. Returns the summed stats plus `grad_norm` and `lr`."""
+        whole-batch loss. Returns the summed stats plus `grad_norm`, `lr` and `forward_reused`
+        (the fraction of micro-batches that took a kept forward, see `forward`)."""
         assert self.optimizer is not None, "train_microbatches on a frozen model"
         self.module.train()
         buckets = self._gradient_buckets()
@@ -279,8 +342,10 @@ class TorchEngine:
         else:
             buckets.zero()
         totals: dict[str, float] = {}
+        reused: list[int] = []
+        forward = self._take_kept(reused)
         for index, microbatch in enumerate(microbatches):
-            loss, stats = loss_fn(self.module, microbatch)
+            loss, stats = loss_fn(forward, microbatch)
             if buckets is not None and index == len(microbatches) - 1:
                 buckets.arm()
             loss.backward()
@@ -293,6 +358,7 @@ class TorchEngine:
         self.optimizer.step()
         self.lr_scheduler.step()
         totals["grad_norm"] = float(grad_norm)
+        totals["forward_reused"] = len(reused) / max(len(microbatches), 1)
         totals["lr"] = lr
         return totals
 

@@ -9,6 +9,9 @@ Six MFCs, edges from their keys:
 
 `ppo.disable_value=true` drops the critic MFCs, `ppo.kl_ctl=0` drops `ref_inf`, and
 `ref_ema_eta` adds an EMA post-hook on `actor_train` that moves the reference toward the actor.
+With `ppo.reuse_forward` and one optimizer step per call, `actor_train`'s forward starts as
+soon as `packed_input_ids` exists (`forward_keys`), and `critic_inf`'s forward is the critic's
+training forward.
 """
 
 from __future__ import annotations
@@ -185,7 +188,8 @@ class PPOMathConfig(BaseExperimentConfig):
                 RuleRewardConfig(**vars(self.reward)), ("packed_input_ids", "prompt_mask"),
                 ("rewards",)),
             mfc("actor_train", "actor", MFCKind.train_step, "ppo_actor", actor_config,
-                train_inputs, (), post_hooks=actor_train_hooks),
+                train_inputs, (), post_hooks=actor_train_hooks,
+                forward_keys=("packed_input_ids",) if self.ppo.reuses_forward() else ()),
         ]
         if self.ppo.adv_estimator == "remax":
             mfcs += self._remax_baseline_mfcs(actor_config)

@@ -95,6 +95,17 @@ def sampling_config(hyperparameters: GenerationHyperparameters, n: int, engine) 
     )
 
 
+def keeps_forward(engine, ppo, data: SequenceSample, microbatch: MicroBatchSpec) -> bool:
+    """Whether a forward over `data` on `engine` is also the next train call's forward: a
+    trainable engine (the train call's own), one optimizer step per train call
+    (`PPOHyperparameters.reuses_forward`), and `data` in one micro-batch, so that the kept
+    graph holds no more activations than that train call would."""
+    microbatches, _, _ = data.split_microbatches(
+        microbatch.max_tokens_per_microbatch, microbatch.min_num_microbatches
+    )
+    return engine.optimizer is not None and ppo.reuses_forward() and len(microbatches) == 1
+
+
 def map_microbatches(
     data: SequenceSample,
     microbatch: MicroBatchSpec,

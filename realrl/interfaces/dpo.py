@@ -84,10 +84,10 @@ class DPOInterface:
         )
         beta = self.config.beta
 
-        def loss_fn(module, part: SequenceSample):
+        def loss_fn(forward, part: SequenceSample):
             packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
             cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
-            logits = module(packed_input_ids, cu_seqlens)  # [total_tokens, vocab]
+            logits = forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab]
             logprobs = packed_shifted_logprobs(logits, packed_input_ids, cu_seqlens)
             prompt_lens = part.data["prompt_lens"]  # [num_pairs]
             policy_sums = response_logprob_sums(logprobs, prompt_lens, cu_seqlens)

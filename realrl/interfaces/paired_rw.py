@@ -74,9 +74,9 @@ class PairedRewardInterface:
             microbatch.max_tokens_per_microbatch, microbatch.min_num_microbatches
         )
 
-        def loss_fn(module, part: SequenceSample):
+        def loss_fn(forward, part: SequenceSample):
             cu_seqlens = part.cu_seqlens("packed_input_ids")
-            values = module(part.data["packed_input_ids"], cu_seqlens)  # [total_tokens]
+            values = forward(part.data["packed_input_ids"], cu_seqlens)  # [total_tokens]
             scores = last_token_scores(values, cu_seqlens)  # [num_seqs]
             pair_losses, margin = bradley_terry_loss(scores)
             loss = pair_losses.sum() / total_pairs.to(pair_losses.device, pair_losses.dtype)

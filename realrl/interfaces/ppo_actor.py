@@ -28,8 +28,10 @@ from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import (
     DistributedMeans,
+    keeps_forward,
     reduction_device,
     require_engine,
+    require_keys,
     sampling_config,
     shifted_logprobs,
     shifted_seqlens,
@@ -102,6 +104,18 @@ class PPOActorInterface:
         return MFCResult(data=shifted_logprobs(engine, data, microbatch, "packed_logprobs"))
 
     # ------------------------------------------------------------------ actor_train
+    def train_forward(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
+        """``actor_train``'s forward on the rollout alone, sent by the master while the
+        reference and the critic compute (``MFCDef.forward_keys``); the engine keeps it and
+        `train_step` starts at the loss. A batch that would train in several micro-batches
+        keeps nothing (that would hold all their activations at once)."""
+        engine = require_engine(engine, "ppo_actor", "train_step")
+        require_keys(data, ("packed_input_ids",), "ppo_actor.train_forward")
+        if keeps_forward(engine, self.ppo, data, microbatch):
+            engine.forward(data.data["packed_input_ids"], data.cu_seqlens("packed_input_ids"),
+                           keep=True)
+        return MFCResult()
+
     def train_step(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
         engine = require_engine(engine, "ppo_actor", "train_step")
         group, device = engine.parallel.dp_group, reduction_device(engine)
@@ -122,21 +136,21 @@ class PPOActorInterface:
                     microbatch.max_tokens_per_microbatch, microbatch.min_num_microbatches
                 )
 
-                def loss_fn(module, part, normaliser=normaliser):
-                    return self._loss(module, part, normaliser, mode)
+                def loss_fn(forward, part, normaliser=normaliser):
+                    return self._loss(forward, part, normaliser, mode)
 
                 step_stats.append(engine.train_microbatches(microbatches, loss_fn))
         stats = _reduce_train_stats(step_stats, means, group, device)
         stats.update(self.state.update_kl_controller(stats))
         return MFCResult(stats=stats)
 
-    def _loss(self, module, part: SequenceSample, normaliser: torch.Tensor, mode: str):
+    def _loss(self, forward, part: SequenceSample, normaliser: torch.Tensor, mode: str):
         """This micro-batch's share of the mini-batch loss, and its statistics as sums."""
         ppo = self.ppo
         packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
         cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
         loss_mask = part.data["loss_mask"]  # [total_tokens - num_seqs]
-        logits = module(packed_input_ids, cu_seqlens)  # [total_tokens, vocab]
+        logits = forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab]
         logprobs = packed_shifted_logprobs(logits, packed_input_ids, cu_seqlens)
         policy = ppo_policy_loss(
             logprobs,
@@ -205,6 +219,8 @@ def _reduce_train_stats(step_stats: list[dict], means: DistributedMeans, group, 
     result = means.reduce(group, device)
     result["early_stopped_microbatches"] = result.pop("early_stopped")
     result["grad_norm"] = sum(s["grad_norm"] for s in step_stats) / num_steps
+    # The share of this rank's micro-batches that took a forward run ahead (the first rank's).
+    result["forward_reused"] = sum(s["forward_reused"] for s in step_stats) / num_steps
     result["lr"] = step_stats[-1]["lr"]
     result["optimizer_steps"] = float(num_steps)
     return result

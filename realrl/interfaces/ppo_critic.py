@@ -22,6 +22,7 @@ from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import (
+    keeps_forward,
     map_microbatches,
     reduction_device,
     require_engine,
@@ -49,14 +50,19 @@ class PPOCriticInterface:
         return self.ppo.num_epochs * self.ppo.num_minibatches
 
     def inference(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
-        """``values`` float32 ``[total_tokens]``: the value of the prefix ending at each token."""
+        """``values`` float32 ``[total_tokens]``: the value of the prefix ending at each token.
+
+        When critic_train runs on this engine and takes one optimizer step on the same batch
+        (`PPOHyperparameters.reuses_forward`), this is its training forward: the engine keeps
+        the graph and critic_train starts at the loss."""
         engine = require_engine(engine, "ppo_critic", "inference")
         require_keys(data, ("packed_input_ids",), "ppo_critic.inference")
+        keep = keeps_forward(engine, self.ppo, data, microbatch)
 
         def compute(part: SequenceSample) -> SequenceSample:
             packed_input_ids = part.data["packed_input_ids"].to(engine.device)
             cu_seqlens = part.cu_seqlens("packed_input_ids").to(engine.device)
-            values = engine.forward(packed_input_ids, cu_seqlens)  # [total_tokens] fp32
+            values = engine.forward(packed_input_ids, cu_seqlens, keep)  # [total_tokens] fp32
             return SequenceSample.from_tensors(
                 ids=part.ids,
                 seqlens={"values": part.seqlens["packed_input_ids"]},
@@ -86,8 +92,8 @@ class PPOCriticInterface:
                     microbatch.max_tokens_per_microbatch, microbatch.min_num_microbatches
                 )
 
-                def loss_fn(module, part, normaliser=normaliser):
-                    return self._loss(module, part, normaliser, mode)
+                def loss_fn(forward, part, normaliser=normaliser):
+                    return self._loss(forward, part, normaliser, mode)
 
                 step_stats.append(engine.train_microbatches(microbatches, loss_fn))
         num_steps = len(step_stats)
@@ -97,6 +103,8 @@ class PPOCriticInterface:
                 means.add(name, stats[name], stats["num_tokens"])
         result = means.reduce(group, device)
         result["grad_norm"] = sum(s["grad_norm"] for s in step_stats) / num_steps
+        # The share of this rank's micro-batches that took a forward run ahead (the first rank's).
+        result["forward_reused"] = sum(s["forward_reused"] for s in step_stats) / num_steps
         result["lr"] = step_stats[-1]["lr"]
         result.update(self.state.update_kl_controller(result))
         return MFCResult(stats=result)
@@ -111,11 +119,11 @@ class PPOCriticInterface:
             return "seq-mean-token-sum", None
         return mode, norm_length
 
-    def _loss(self, module, part: SequenceSample, normaliser: torch.Tensor, mode: str):
+    def _loss(self, forward, part: SequenceSample, normaliser: torch.Tensor, mode: str):
         packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
         cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
         loss_mask = part.data["loss_mask"]  # [total_tokens - num_seqs]
-        values = shifted_values(module(packed_input_ids, cu_seqlens), cu_seqlens)
+        values = shifted_values(forward(packed_input_ids, cu_seqlens), cu_seqlens)
         old_values = shifted_values(part.data["values"], cu_seqlens)
         output = value_loss(
             values, old_values, part.data["returns"], loss_mask, self.ppo.value_eps_clip

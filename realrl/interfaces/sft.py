@@ -58,9 +58,9 @@ class SFTInterface:
             microbatch.max_tokens_per_microbatch, microbatch.min_num_microbatches
         )
 
-        def loss_fn(module, part: SequenceSample):
+        def loss_fn(forward, part: SequenceSample):
             nll, mask, part_cu_seqlens = answer_nll(
-                module(part.data["packed_input_ids"], part.cu_seqlens("packed_input_ids")), part
+                forward(part.data["packed_input_ids"], part.cu_seqlens("packed_input_ids")), part
             )
             loss = aggregate_loss(nll, mask, part_cu_seqlens, "token-mean", normaliser)
             return loss, {"loss": loss.detach()}

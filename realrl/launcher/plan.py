@@ -131,9 +131,10 @@ def side_by_side_allocation_mode(spec: ExperimentSpec, graph: DataflowGraph,
     """``allocation_mode=auto`` for CPU workers when the graph trains two models (PPO's actor
     and critic): each trained model's calls but generation run data parallel on its own half
     of the workers, so that the two halves train side by side; generation and rule rewards
-    use every worker, and a frozen model's calls (the reference) join the first trained
-    model's half. None when that does not apply (not two trained models, or an odd number of
-    workers).
+    use every worker. A frozen model's calls (the reference) use every worker too when the
+    train calls' forwards run ahead (`MFCDef.forward_keys`), and join the first trained
+    model's half otherwise. None when that does not apply (not two trained models, or an odd
+    number of workers).
 
     Measured on 2 CPU workers (`benchmarks/README.md`): full PPO on the built-in model 0.20 ->
     0.16 s per step, on the 4M-parameter benchmark model (compiled) 0.78 -> 0.67 s. One
@@ -145,11 +146,16 @@ def side_by_side_allocation_mode(spec: ExperimentSpec, graph: DataflowGraph,
         return None
     half = n_workers // 2
     side = {trained[0]: _mesh_text(0, half), trained[1]: _mesh_text(half, n_workers)}
+    # With forwards sent ahead, each half runs one train forward after generation (the
+    # actor's ahead, the critic's as critic_inf), so a frozen model's calls are split over both.
+    frozen_everywhere = any(graph.mfcs[name].forward_keys for name in _train_mfcs(graph))
     entries = []
     for name in graph.order:
         mfc = graph.mfcs[name]
         if mfc.kind == MFCKind.generate or spec.models[mfc.model_role].kind == ModelKind.rule:
             continue  # every worker ('*')
+        if frozen_everywhere and mfc.model_role not in side:
+            continue
         entries.append(f"{name}:{side.get(mfc.model_role, side[trained[0]])}")
     return ",".join([*entries, f"*:d{n_workers}"])
 

@@ -161,19 +161,37 @@ class Master:
         return found
 
     async def _run_mfcs(self, names: list[str] | set[str], result: StepResult) -> None:
-        """Run `names` (MFCs outside it count as finished), each once its inputs exist."""
+        """Run `names` (MFCs outside it count as finished), each once its inputs exist, and
+        each train MFC's forward ahead once the inputs of its forward do (`_forward_ahead`)."""
         finished = {name: asyncio.Event() for name in names}
         graph_parents = self._parents()
+        ahead = {mfc.name: asyncio.Event() for mfc in self.plan.mfcs
+                 if mfc.name in finished and mfc.forward_keys
+                 and set(self._producers(mfc.forward_keys)) & set(finished)}
 
-        async def run_when_ready(mfc: MFCDef) -> None:
-            for parent in graph_parents[mfc.name]:
+        async def wait_for(parents: list[str]) -> None:
+            for parent in parents:
                 if parent in finished:
                     await finished[parent].wait()
+
+        async def run_when_ready(mfc: MFCDef) -> None:
+            await wait_for(graph_parents[mfc.name])
+            if mfc.name in ahead:
+                await ahead[mfc.name].wait()
             await self._run_mfc(mfc, result)
             finished[mfc.name].set()
 
-        tasks = [asyncio.create_task(run_when_ready(mfc)) for mfc in self.plan.mfcs
-                 if mfc.name in finished]
+        async def forward_when_ready(mfc: MFCDef) -> None:
+            await wait_for(self._producers(mfc.forward_keys))
+            await self._forward_ahead(mfc, result)
+            ahead[mfc.name].set()
+
+        # Forwards ahead first: woken first when their inputs arrive, they take their ranks
+        # before the inference calls beside them, whose train calls wait for them all.
+        tasks = [asyncio.create_task(forward_when_ready(mfc)) for mfc in self.plan.mfcs
+                 if mfc.name in ahead]
+        tasks += [asyncio.create_task(run_when_ready(mfc)) for mfc in self.plan.mfcs
+                  if mfc.name in finished]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -182,9 +200,11 @@ class Master:
             raise
 
     def _parents(self) -> dict[str, list[str]]:
+        return {mfc.name: self._producers(mfc.input_keys) for mfc in self.plan.mfcs}
+
+    def _producers(self, keys: tuple[str, ...]) -> list[str]:
         producers = {key: mfc.name for mfc in self.plan.mfcs for key in mfc.output_keys}
-        return {mfc.name: sorted({producers[k] for k in mfc.input_keys if k in producers})
-                for mfc in self.plan.mfcs}
+        return sorted({producers[key] for key in keys if key in producers})
 
     def _is_stale(self, mfc: MFCDef) -> bool:
         """Whether `mfc`'s layout holds older weights than its role's newest."""
@@ -293,20 +313,35 @@ class Master:
         reply = await self.clients[rank].request(message, timeout_s=REQUEST_TIMEOUT_S)
         return reply.raise_if_error()
 
-    async def _dispatch(self, mfc: MFCDef, result: StepResult) -> None:
+    async def _forward_ahead(self, mfc: MFCDef, result: StepResult) -> None:
+        """Run train MFC `mfc`'s forward on its `forward_keys` before its other inputs exist;
+        its workers keep the graph for the train call. Skipped when the call's layout is not
+        up to date: the train call then refreshes it and runs its own forward."""
+        async with self._locked(sorted(self.plan.allocations[mfc.name].mesh.ranks)):
+            if self._is_stale(mfc):
+                return
+            started = time.perf_counter()
+            await self._dispatch(mfc, result, ahead=True)
+            result.timing[f"{mfc.name}/forward"] = time.perf_counter() - started
+
+    async def _dispatch(self, mfc: MFCDef, result: StepResult, ahead: bool = False) -> None:
         allocation = self.plan.allocations[mfc.name]
-        inputs = result.data.select(mfc.input_keys)
+        inputs = result.data.select(mfc.forward_keys if ahead else mfc.input_keys)
         parts, _, backward_indices = inputs.split_data_parallel(allocation.strategy.data)
         requests, heads = [], []
         for dp_rank, part in enumerate(parts):
             meta, tensors = part.to_wire()
             for rank in allocation.ranks_of_dp_rank(dp_rank):
-                message = Message("mfc", {"mfc": mfc.name, "data": meta}, tensors)
-                requests.append(self._request(rank, message))
+                header = {"mfc": mfc.name, "data": meta} | ({"ahead": True} if ahead else {})
+                requests.append(self._request(rank, Message("mfc", header, tensors)))
                 heads.append(rank in allocation.dp_head_ranks())
         replies = await asyncio.gather(*requests)
+        compute_s = max(reply.header.get("compute_s", 0.0) for reply in replies)
+        if ahead:
+            result.compute[f"{mfc.name}/forward"] = compute_s
+            return
+        result.compute[mfc.name] = compute_s
         head_replies = [reply for reply, is_head in zip(replies, heads) if is_head]
-        result.compute[mfc.name] = max(reply.header.get("compute_s", 0.0) for reply in replies)
         self._merge_stats(mfc, head_replies, result)
         if mfc.output_keys:
             outputs = [SequenceSample.from_wire(r.header["data"], r.tensors) for r in head_replies]

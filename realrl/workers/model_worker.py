@@ -150,6 +150,8 @@ class ModelWorker:
         engine = self._engine_for(mfc)
         method = {MFCKind.generate: interface.generate, MFCKind.inference: interface.inference,
                   MFCKind.train_step: interface.train_step}[mfc.kind]
+        if message.header.get("ahead"):
+            method = interface.train_forward  # the train call's forward (MFCDef.forward_keys)
         started = time.perf_counter()
         result = method(engine, data, mfc.microbatch)
         if any(isinstance(hook, OffloadHook) for hook in mfc.post_hooks):
@@ -210,7 +212,7 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
     rendezvous.publish(f"worker/{rank}/ready", "1")
     logger.info("worker %d ready at %s", rank, server.bound_address)
     heap = HeapFreezer()
-    mfcs_run: set[str] = set()
+    mfcs_run: set[tuple[str | None, bool]] = set()
     try:
         while True:
             received = server.recv(timeout_s=None)
@@ -227,9 +229,10 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
                 logger.exception("request %s failed", message.kind)
                 reply = message.error_reply(f"worker {rank}: {type(exc).__name__}: {exc}")
             server.send(peer, reply)
-            first_run = message.kind == "mfc" and message.header["mfc"] not in mfcs_run
+            call = (message.header.get("mfc"), bool(message.header.get("ahead")))
+            first_run = message.kind == "mfc" and call not in mfcs_run
             if first_run:
-                mfcs_run.add(message.header["mfc"])
+                mfcs_run.add(call)
             heap.between_requests(warmed_up=first_run)
     finally:
         heap.close()

@@ -81,6 +81,32 @@ def test_ppo_math_runs_two_steps_on_two_workers(allocation, tiny_model, cli_env,
     check_transformers_loads_the_same_logits(checkpoint / "actor")
 
 
+def test_forwards_run_ahead_train_exactly_as_the_plain_order(tiny_model, cli_env, tmp_path):
+    """`ppo.reuse_forward`: actor_train's forward goes out beside ref_inf and critic_inf, and
+    critic_train trains on critic_inf's forward; same losses and rewards, bit for bit."""
+    layout = "actor_gen:d2,rew_inf:d2,ref_inf:d2,critic_inf:d1@1,actor_train:d1@0,critic_train:d1@1"
+    runs = {}
+    for reuse in ("true", "false"):
+        result = run_cli(
+            "ppo-math",
+            [f"actor.path={tiny_model}", f"output_root={tmp_path / reuse}", *SMALL_PPO,
+             f"allocation_mode={layout}", f"ppo.reuse_forward={reuse}"],
+            cli_env,
+        )
+        assert result.returncode == 0, describe(result)
+        runs[reuse] = read_metrics(tmp_path / reuse / "ppo-math" / "trial0")
+    for reuse, metrics in runs.items():
+        for record in metrics:
+            expected = 1.0 if reuse == "true" else 0.0
+            assert record["actor_train/forward_reused"] == expected
+            assert record["critic_train/forward_reused"] == expected
+            assert ("timing/actor_train/forward" in record) == (reuse == "true")
+    for key in ("rew_inf/task_mean", "actor_train/loss", "actor_train/kl_to_ref",
+                "actor_train/entropy", "critic_train/value_loss", "actor_train/grad_norm",
+                "critic_train/grad_norm"):
+        assert [r[key] for r in runs["true"]] == [r[key] for r in runs["false"]], key
+
+
 def check_transformers_loads_the_same_logits(directory) -> None:
     """The checkpoint is a plain HF directory: transformers and realrl give the same logits."""
     from transformers import AutoModelForCausalLM

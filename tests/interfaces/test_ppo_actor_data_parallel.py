@@ -151,8 +151,8 @@ def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
         ids = torch.arange(12) % VOCAB_SIZE + rank
         cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
 
-        def loss_fn(module, _):
-            return module(ids, cu_seqlens).float().square().mean(), {}
+        def loss_fn(forward, _):
+            return forward(ids, cu_seqlens).float().square().mean(), {}
 
         engine.train_microbatches([None, None], loss_fn)
         buckets = engine.gradient_buckets

@@ -24,14 +24,24 @@ def _ranks(tmp_path, overrides: list[str]) -> dict[str, tuple[int, ...]]:
 
 
 def test_ppo_trains_the_actor_and_the_critic_on_their_own_workers(tmp_path):
+    # The actor's train forward runs ahead beside critic_inf (ppo.reuse_forward): the frozen
+    # reference is split over every worker.
     assert _ranks(tmp_path, ["n_devices_per_node=2"]) == {
-        "actor_gen": (0, 1), "rew_inf": (0, 1),  # generation and the rule reward: every worker
-        "ref_inf": (0,), "actor_train": (0,),  # the frozen reference joins the actor's side
-        "critic_inf": (1,), "critic_train": (1,),
+        "actor_gen": (0, 1), "rew_inf": (0, 1), "ref_inf": (0, 1),
+        "actor_train": (0,), "critic_inf": (1,), "critic_train": (1,),
     }
     assert _ranks(tmp_path, ["n_devices_per_node=4"]) == {
-        "actor_gen": (0, 1, 2, 3), "rew_inf": (0, 1, 2, 3),
-        "ref_inf": (0, 1), "actor_train": (0, 1), "critic_inf": (2, 3), "critic_train": (2, 3),
+        "actor_gen": (0, 1, 2, 3), "rew_inf": (0, 1, 2, 3), "ref_inf": (0, 1, 2, 3),
+        "actor_train": (0, 1), "critic_inf": (2, 3), "critic_train": (2, 3),
+    }
+
+
+@pytest.mark.parametrize("ppo", [["ppo.reuse_forward=false"], ["ppo.num_minibatches=2"]])
+def test_without_forwards_ahead_the_reference_joins_the_actors_side(tmp_path, ppo):
+    assert _ranks(tmp_path, ["n_devices_per_node=2", *ppo]) == {
+        "actor_gen": (0, 1), "rew_inf": (0, 1),  # generation and the rule reward: every worker
+        "ref_inf": (0,), "actor_train": (0,),
+        "critic_inf": (1,), "critic_train": (1,),
     }
 
 
