@@ -169,8 +169,8 @@ class DataflowGraph:
         for mfc in mfcs:
             if mfc.forward_keys and not mfc.is_train:
                 problems.append(
-                    f"MFC `{mfc.name}` is a {mfc.kind.value} call with forward_keys; only train "
-                    f"calls run their forward ahead."
+                    f"MFC `{mfc.name}` ({mfc.kind.value}) has forward_keys; only train calls run "
+                    "their forward ahead."
                 )
             extra = [key for key in mfc.forward_keys if key not in mfc.input_keys]
             if extra:

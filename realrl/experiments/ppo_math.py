@@ -172,6 +172,10 @@ class PPOMathConfig(BaseExperimentConfig):
         if use_ref and self.ref_ema_eta is not None:
             actor_train_hooks.append(ParamReallocHook("actor", "ref", eta=self.ref_ema_eta))
         generation_size = self.generation_size or self.group_size
+        # actor_train's forward goes out beside ref_inf and critic_inf; without either, there
+        # is nothing to run beside (GRPO), and sending it ahead would only cost a request.
+        ahead = self.ppo.reuses_forward() and (use_ref or use_critic)
+        forward_keys = ("packed_input_ids",) if ahead else ()
         rollout_filter = None
         if generation_size > self.group_size or self.ppo.dynamic_sampling:
             rollout_filter = RolloutFilter(
@@ -189,7 +193,7 @@ class PPOMathConfig(BaseExperimentConfig):
                 ("rewards",)),
             mfc("actor_train", "actor", MFCKind.train_step, "ppo_actor", actor_config,
                 train_inputs, (), post_hooks=actor_train_hooks,
-                forward_keys=("packed_input_ids",) if self.ppo.reuses_forward() else ()),
+                forward_keys=forward_keys),
         ]
         if self.ppo.adv_estimator == "remax":
             mfcs += self._remax_baseline_mfcs(actor_config)

@@ -88,6 +88,18 @@ def test_build_graph_rejects_undeclared_model_role():
         DataflowGraph(ppo_like_mfcs(), ["packed_prompts"], ("actor", "ref"))
 
 
+def test_build_graph_rejects_forward_keys_outside_train_inputs():
+    mfcs = ppo_like_mfcs()
+    mfcs[2].forward_keys = ("packed_input_ids",)  # an inference call
+    mfcs[3].forward_keys = ("packed_input_ids", "values")  # not an input
+    with pytest.raises(GraphError) as info:
+        DataflowGraph(mfcs, ["packed_prompts"], ROLES)
+    assert info.value.problems == [
+        "MFC `ref_inf` (inference) has forward_keys; only train calls run their forward ahead.",
+        "MFC `actor_train`: forward_keys ['values'] are not among its input_keys.",
+    ]
+
+
 def test_graph_errors_are_reported_together():
     mfcs = ppo_like_mfcs() + [make_mfc("x", ("missing",), ("rewards",), role="critic")]
     with pytest.raises(GraphError) as info:

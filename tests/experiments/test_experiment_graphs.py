@@ -33,6 +33,19 @@ def test_ppo_math_with_zero_kl_drops_reference():
     assert "packed_ref_logprobs" not in graph.mfcs["actor_train"].input_keys
 
 
+@pytest.mark.parametrize(("overrides", "ahead"), [
+    ((), True),
+    (("ppo.kl_ctl=0",), True),  # the critic's calls are still there to run beside
+    (("ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"), False),  # nothing
+    (("ppo.reuse_forward=false",), False),
+    (("ppo.num_minibatches=2",), False),  # the second mini-batch needs a fresh forward
+    (("ppo.num_epochs=2",), False),
+])
+def test_actor_train_sends_its_forward_ahead_when_it_can_use_it(overrides, ahead):
+    forward_keys = ppo_graph(*overrides).mfcs["actor_train"].forward_keys
+    assert forward_keys == (("packed_input_ids",) if ahead else ())
+
+
 def test_ref_ema_eta_adds_post_hook_on_actor_train():
     graph = ppo_graph("ref_ema_eta=0.5")
     assert graph.mfcs["actor_train"].post_hooks == [ParamReallocHook("actor", "ref", 0.5)]
