@@ -20,6 +20,12 @@ maps, and gloo carries only barriers (small messages, ~0.2 ms each).
   each.
 - `SharedMemoryBroadcast` (parameter reallocation): the sender's file holds a buffer that it
   writes and the receivers read between two barriers.
+- `share_replica_weights` (frozen data-parallel replicas: the generation copy of a trained
+  model, a reference split over several workers): every replica's parameters are views of one
+  copy in the first rank's file. Two processes decoding at once, each with its own 15.7 MB copy
+  of the benchmark model, took 0.19-0.21 s per compiled `generate` of 16 rows x 32 tokens, and
+  0.166-0.172 s reading one shared copy: two copies compete for a 32 MiB L3. A reallocation
+  then writes the new weights once, on one rank, instead of once per replica.
 
 `connect_segments` works out whether this is possible and returns None (everyone falls back
 to gloo) unless every rank created its file and opened every peer's: ranks on different
@@ -87,6 +93,34 @@ def connect_segments(
         )
         return None
     return maps
+
+
+def share_replica_weights(module: torch.nn.Module, group) -> mmap.mmap | None:
+    """Collective over `group`, the data-parallel ranks of one frozen layout (their replicas
+    hold the same weights): every rank's parameters become views of one copy, in the group's
+    first rank's shared memory, holding that rank's values. Returns the memory (keep it while
+    the module lives), or None on every rank, with nothing changed, when it cannot be shared.
+    From then on one rank writes for all of them (`realrl.workers.realloc`)."""
+    parameters = list(module.parameters())
+    offsets, size = _layout([(p.numel(), p.dtype) for p in parameters])
+    sizes = [size if r == 0 else 0 for r in range(dist.get_world_size(group))]
+    maps = connect_segments(group, sizes, "replicas' weights")
+    if maps is None:
+        return None
+    memory = maps[0]
+    assert memory is not None
+    views = [
+        torch.frombuffer(memory, dtype=p.dtype, count=p.numel(), offset=offset).view(p.shape)
+        for p, offset in zip(parameters, offsets, strict=True)
+    ]
+    if dist.get_rank(group) == 0:
+        with torch.no_grad():
+            for view, parameter in zip(views, parameters, strict=True):
+                view.copy_(parameter)
+    dist.barrier(group=group)  # the first rank has written the weights
+    for view, parameter in zip(views, parameters, strict=True):
+        parameter.data = view
+    return memory
 
 
 class SharedMemorySum:

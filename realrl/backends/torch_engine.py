@@ -240,6 +240,9 @@ class TorchEngine:
         self.offloaded = False
         self.sharded_parameter_ids = sharded_parameter_ids(module)
         self.gradient_buckets: GradientBuckets | None = None  # made by the first train step
+        # The shared memory this engine's weights live in, when its data-parallel replicas
+        # share one copy (`realloc.share_replica_weights`).
+        self.shared_weights = None
         # Forwards kept for the next train call, and the weights they were computed with.
         self._kept: list[_KeptForward] = []
         self._kept_weights: tuple[int, ...] = ()

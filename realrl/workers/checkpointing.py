@@ -92,6 +92,8 @@ def load_worker_state(worker, directory: str) -> None:
         if layout.role not in changing_roles(worker.plan):
             continue
         engine = hosted.engine
+        if engine.shared_weights is not None and engine.parallel.dp_rank > 0:
+            continue  # replicas sharing one copy: the first one loads it
         loaded = load_pretrained(
             role_dir,
             critic=engine.module.config.is_critic,

@@ -29,7 +29,7 @@ from realrl.workers import checkpointing
 from realrl.workers.core_share import CoreShare
 from realrl.workers.heap_freeze import HeapFreezer
 from realrl.workers.malloc import retain_freed_memory
-from realrl.workers.realloc import ProcessGroups, transfer_parameters
+from realrl.workers.realloc import ProcessGroups, share_replica_weights, transfer_parameters
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import LayoutKey, RunPlan
 from realrl.workers.run_secret import load_run_secret
@@ -92,12 +92,13 @@ class ModelWorker:
             engine = load_engine(spec, parallel, trains=trains,
                                  total_optimizer_steps=self.plan.base.total_train_steps * steps_per_call,
                                  seed=self.plan.base.seed * 1000 + replica_rank)
+            shared = share_replica_weights(engine, layout, trains)
             if cores := self.cores:
                 cores.attach(engine.module)
             self.models[layout] = HostedModel(layout, engine)
-            logger.info("hosting %s (%s, dp %d/%d, tp %d/%d)", layout, "trainable" if trains else
-                        "frozen", coords.dp, allocation.strategy.data, coords.tp,
-                        allocation.strategy.tensor)
+            kind = "trainable" if trains else "frozen, one shared copy" if shared else "frozen"
+            logger.info("hosting %s (%s, dp %d/%d, tp %d/%d)", layout, kind, coords.dp,
+                        allocation.strategy.data, coords.tp, allocation.strategy.tensor)
 
     def _interface(self, mfc: MFCDef):
         if mfc.name not in self.interfaces:

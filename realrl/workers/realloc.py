@@ -16,6 +16,9 @@ Who does what, in buckets of whole parameters, never through the disk:
   it between two barriers, instead of a gloo broadcast through sockets. A rank that also blends
   locally does so while the receivers read. The benchmark's PPO actor, 16 MB from its train
   rank to both generation ranks every step: 15-21 -> 10 ms (two processes, one thread each).
+Frozen data-parallel layouts on CPU share one copy of their weights when their ranks can map
+each other's shared memory (`share_replica_weights`); a transfer into one is then written by one
+rank only (`shared_writer`), and the others take part in the broadcast without copying.
 Every rank named by `transfer_ranks` must call `transfer_parameters` for the same transfer; the
 master sends the request to all of them. Each rank enters gathers and broadcasts in bucket
 order, so ranks in both the gather group and the broadcast group cannot deadlock.
@@ -90,6 +93,31 @@ def _sender_blends(source: LayoutKey, target: LayoutKey) -> bool:
 
 def _needs_full_parameters(source: LayoutKey, target: LayoutKey) -> bool:
     return bool(receiver_ranks(source, target)) or _sender_blends(source, target)
+
+
+def shared_writer(source: LayoutKey, target: LayoutKey) -> int:
+    """The rank that writes a target whose replicas share their weights: a local blender if
+    there is one (no broadcast needed), else the sender if it blends, else the first receiver."""
+    local = local_ranks(source, target)
+    if local:
+        return local[0]
+    if _sender_blends(source, target):
+        return source_rank(source)
+    return receiver_ranks(source, target)[0]
+
+
+def share_replica_weights(engine: TorchEngine, layout: LayoutKey, trains: bool) -> bool:
+    """Collective over `layout`'s data-parallel group: make its replicas share one copy of their
+    weights where that applies (a frozen CPU layout with data parallelism and no tensor
+    parallelism, shared memory on). Whether they do."""
+    strategy = ParallelStrategy.parse(layout.strategy)
+    if (trains or strategy.tensor > 1 or strategy.data < 2 or engine.device.type != "cpu"
+            or not environment.shared_memory_enabled()):
+        return False
+    engine.shared_weights = shared_memory.share_replica_weights(
+        engine.module, engine.parallel.dp_group
+    )
+    return engine.shared_weights is not None
 
 
 def transfer_group_ranks(source: LayoutKey, target: LayoutKey) -> list[int]:
@@ -331,13 +359,17 @@ def transfer_parameters(
     before the next transfer (which reuses the buffer). Its parameters may change meanwhile.
     """
     released = None  # a sender's handle on the receivers' last release of its buffer
+    # Replicas sharing one copy of the weights: one rank writes it (the master's next request
+    # to any of them waits for every rank's reply).
+    writes = (target_engine is None or target_engine.shared_weights is None
+              or rank == shared_writer(source, target))
     if _needs_full_parameters(source, target):
         released = _send_full_parameters(
             source_engine, target_engine, source, target, rank, eta, groups, plan,
-            posts=pending is not None,
+            posts=pending is not None, writes=writes,
         )
     # Local blends come last: in shared memory the receivers read the sender's buffer meanwhile.
-    if rank in local_ranks(source, target):
+    if rank in local_ranks(source, target) and writes:
         for target_param, source_param in zip(
             target_engine.module.parameters(), source_engine.module.parameters(), strict=True
         ):
@@ -351,10 +383,10 @@ def transfer_parameters(
 
 def _send_full_parameters(source_engine, target_engine, source: LayoutKey, target: LayoutKey,
                           rank: int, eta: float, groups: ProcessGroups, plan: RunPlan, *,
-                          posts: bool) -> dist.Work | None:
+                          posts: bool, writes: bool) -> dist.Work | None:
     """Gather, broadcast and blend the full parameters, bucket by bucket, where this rank
-    gathers or receives (`transfer_parameters`). Returns the handle a sender must wait on
-    before its buffer is written again, if any."""
+    gathers or receives (`transfer_parameters`); blend only if it `writes`. Returns the handle a
+    sender must wait on before its buffer is written again, if any."""
     sender = source_rank(source)
     gathers = rank == sender or (tensor_size(source) > 1 and rank in gather_group_ranks(source))
     group_ranks = transfer_group_ranks(source, target)
@@ -367,7 +399,7 @@ def _send_full_parameters(source_engine, target_engine, source: LayoutKey, targe
     broadcast_group = groups.by_ranks[tuple(group_ranks)] if rank in group_ranks else None
     engine = source_engine if gathers else target_engine
     wire_dtype = DTYPES[plan.models[source.role].config.dtype.value]
-    blends = receives or (rank == sender and _sender_blends(source, target))
+    blends = writes and (receives or (rank == sender and _sender_blends(source, target)))
     shapes = full_parameter_shapes(engine.module.config)
     buckets = list(_buckets(shapes, wire_dtype.itemsize))
     posts = posts and rank == sender and not blends and engine.device.type == "cpu"

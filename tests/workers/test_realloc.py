@@ -29,11 +29,15 @@ from realrl.models.tensor_parallel import unshard_state_dicts
 from realrl.workers.model_loading import shard_module
 from realrl.workers.realloc import (
     ProcessGroups,
+    share_replica_weights,
     transfer_group_ranks,
     transfer_parameters,
     transfer_ranks,
 )
 from realrl.workers.run_plan import LayoutKey, RunPlan
+
+# Layouts whose replicas shared one copy of their weights on this rank.
+SHARED_LAYOUTS: set[LayoutKey] = set()
 
 
 def ranks_and_strategy(layout) -> tuple[list[int], ParallelStrategy]:
@@ -94,6 +98,7 @@ def build_engine(model_path, plan, layout, rank, groups, trained: bool) -> Torch
         tp_rank=coordinates.tp,
         tp_size=allocation.strategy.tensor,
         tp_group=groups.tensor_group(layout, rank),
+        dp_group=groups.data_group(layout, rank),
     )
     full = load_pretrained(model_path)
     if trained:  # move the owner's weights away from the checkpoint
@@ -101,7 +106,10 @@ def build_engine(model_path, plan, layout, rank, groups, trained: bool) -> Torch
         with torch.no_grad():
             for parameter in full.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator))
-    return TorchEngine(shard_module(full, parallel), None, parallel)
+    engine = TorchEngine(shard_module(full, parallel), None, parallel)
+    if share_replica_weights(engine, layout, trains=trained):  # as a model worker does
+        SHARED_LAYOUTS.add(layout)
+    return engine
 
 
 def run_transfers(rank, world, model_path, layouts, etas, result_dir):
@@ -146,9 +154,12 @@ def worker(rank, world, port, model_path, cases, etas, result_dir, shared_memory
         case_dir = os.path.join(result_dir, f"case{case_index}")
         os.makedirs(case_dir, exist_ok=True)
         run_transfers(rank, world, model_path, layouts, etas, case_dir)
-    # Which broadcasts went through shared memory (True) or gloo (False) on this rank.
+    # Which broadcasts went through shared memory (True) or gloo (False) on this rank, and
+    # which layouts shared their weights.
     paths = [buffer is not None for buffer in realloc._SHARED_BUFFERS.values()]
     torch.save(paths, os.path.join(result_dir, f"broadcast-paths-rank{rank}.pt"))
+    shared = sorted((layout.ranks, layout.strategy) for layout in SHARED_LAYOUTS)
+    torch.save(shared, os.path.join(result_dir, f"shared-layouts-rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -215,6 +226,17 @@ def run_cases(tmp_path, cases: list[dict], shared_memory: bool = True) -> tuple[
     paths = [p for r in range(world) for p in torch.load(tmp_path / f"broadcast-paths-rank{r}.pt")]
     assert paths == [True] * len(paths) if shared_memory else paths == []
     assert not shared_memory or paths  # some case broadcasts
+    # Frozen data-parallel layouts without tensor parallelism share one copy of their weights;
+    # a transfer into one is written by one rank, so a copy that was not shared fails the case.
+    saved = [torch.load(tmp_path / f"shared-layouts-rank{r}.pt") for r in range(world)]
+    shared = {(ranks, ParallelStrategy.parse(strategy)) for s in saved for ranks, strategy in s}
+    expected = set()
+    for layouts in cases:
+        for role in ("gen", "ref"):
+            ranks, strategy = ranks_and_strategy(layouts[role])
+            if layouts[role] != layouts["train"] and strategy.data > 1 and strategy.tensor == 1:
+                expected.add((tuple(ranks), strategy))
+    assert shared == (expected if shared_memory else set())
     initial = {n: p.detach() for n, p in load_pretrained(model_path).named_parameters()}
     trained = {}
     generator = torch.Generator().manual_seed(7)
