@@ -319,8 +319,8 @@ class TorchEngine:
         return tuple(p._version for p in self.module.parameters())
 
     def _take_kept(self, reused: list[int]) -> Forward:
-        """The forward for this train call's losses: a kept output where one matches (counted
-        in `reused`)."""
+        """The forward for this train call's losses: a kept output where one matches (its
+        index among the kept ones is appended to `reused`)."""
         kept = self._kept if self._kept_weights == self._weights_version() else []
         self._kept, self._kept_weights = [], ()
 

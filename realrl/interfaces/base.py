@@ -2,7 +2,10 @@
 
 A worker calls exactly one of `generate`, `inference` or `train_step` per MFC request, with the
 engine of the model shard (module, tokenizer, optimizer, process groups; None for rule-based
-roles) and this data-parallel rank's part of the batch. Interfaces are plain classes constructed
+roles) and this data-parallel rank's part of the batch. A train MFC that declares
+`forward_keys` also gets a request for `train_forward` (its forward on those keys alone,
+before its other inputs exist; `PPOActorInterface.train_forward`); only such interfaces need
+that method. Interfaces are plain classes constructed
 from their typed config; `realrl.interfaces.registry.make_interface` picks one by the MFC's
 interface name.
 """
