@@ -95,6 +95,18 @@ def sampling_config(hyperparameters: GenerationHyperparameters, n: int, engine) 
     )
 
 
+def optimizer_step_stats(step_stats: list[dict]) -> dict[str, float]:
+    """A train call's `grad_norm` and `forward_reused` averaged over its optimizer steps (the
+    stats of each `TorchEngine.train_microbatches`), and the `lr` of the last one. Every rank
+    has the same `grad_norm` and `lr`; `forward_reused` is this rank's."""
+    num_steps = len(step_stats)
+    return {
+        "grad_norm": sum(s["grad_norm"] for s in step_stats) / num_steps,
+        "forward_reused": sum(s["forward_reused"] for s in step_stats) / num_steps,
+        "lr": step_stats[-1]["lr"],
+    }
+
+
 def keeps_forward(engine, ppo, data: SequenceSample, microbatch: MicroBatchSpec) -> bool:
     """Whether a forward over `data` on `engine` is also the next train call's forward: a
     trainable engine (the train call's own), one optimizer step per train call

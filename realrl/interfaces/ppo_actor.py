@@ -29,6 +29,7 @@ from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import (
     DistributedMeans,
     keeps_forward,
+    optimizer_step_stats,
     reduction_device,
     require_engine,
     require_keys,
@@ -207,8 +208,8 @@ def _reduce_train_stats(step_stats: list[dict], means: DistributedMeans, group, 
     """Global statistics of a train step: one all-reduce for rollout and loss statistics.
 
     ``loss``/``policy_loss`` are each rank's share of a step's global loss, so their sum over
-    ranks, averaged over the optimizer steps, is the mean mini-batch loss. ``grad_norm`` and
-    ``lr`` are identical on every rank (taken after the gradient all-reduce).
+    ranks, averaged over the optimizer steps, is the mean mini-batch loss. The optimizer's
+    statistics come from `optimizer_step_stats`.
     """
     num_steps = len(step_stats)
     for stats in step_stats:
@@ -218,10 +219,7 @@ def _reduce_train_stats(step_stats: list[dict], means: DistributedMeans, group, 
             means.add(reported, stats[name], stats["num_tokens"])
     result = means.reduce(group, device)
     result["early_stopped_microbatches"] = result.pop("early_stopped")
-    result["grad_norm"] = sum(s["grad_norm"] for s in step_stats) / num_steps
-    # The share of this rank's micro-batches that took a forward run ahead (the first rank's).
-    result["forward_reused"] = sum(s["forward_reused"] for s in step_stats) / num_steps
-    result["lr"] = step_stats[-1]["lr"]
+    result.update(optimizer_step_stats(step_stats))
     result["optimizer_steps"] = float(num_steps)
     return result
 

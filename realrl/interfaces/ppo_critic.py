@@ -24,6 +24,7 @@ from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import (
     keeps_forward,
     map_microbatches,
+    optimizer_step_stats,
     reduction_device,
     require_engine,
     require_keys,
@@ -102,10 +103,7 @@ class PPOCriticInterface:
             for name in ("value_clip_fraction", "value_mean", "returns_mean"):
                 means.add(name, stats[name], stats["num_tokens"])
         result = means.reduce(group, device)
-        result["grad_norm"] = sum(s["grad_norm"] for s in step_stats) / num_steps
-        # The share of this rank's micro-batches that took a forward run ahead (the first rank's).
-        result["forward_reused"] = sum(s["forward_reused"] for s in step_stats) / num_steps
-        result["lr"] = step_stats[-1]["lr"]
+        result.update(optimizer_step_stats(step_stats))
         result.update(self.state.update_kl_controller(result))
         return MFCResult(stats=result)
 

@@ -55,6 +55,7 @@ class Master:
         self.rank_locks = {rank: asyncio.Lock() for rank in clients}
         self.role_version = {role: 0 for role in plan.models}
         self.layout_version = {layout: 0 for layout in plan.layouts()}
+        self.producer_of = {key: mfc.name for mfc in plan.mfcs for key in mfc.output_keys}
         self._background: list[asyncio.Task] = []  # transfers started by `refresh`
         # Their failures, recorded before the failed rank's lock is given back, so that the
         # next request on that rank stops instead of running on weights that never arrived.
@@ -203,8 +204,7 @@ class Master:
         return {mfc.name: self._producers(mfc.input_keys) for mfc in self.plan.mfcs}
 
     def _producers(self, keys: tuple[str, ...]) -> list[str]:
-        producers = {key: mfc.name for mfc in self.plan.mfcs for key in mfc.output_keys}
-        return sorted({producers[key] for key in keys if key in producers})
+        return sorted({self.producer_of[key] for key in keys if key in self.producer_of})
 
     def _is_stale(self, mfc: MFCDef) -> bool:
         """Whether `mfc`'s layout holds older weights than its role's newest."""
