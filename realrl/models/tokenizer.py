@@ -25,6 +25,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from realrl.api.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<eos>", "<unk>"
@@ -50,14 +52,16 @@ def has_chat_template(tokenizer) -> bool:
 
 def resolve_chat_template(setting: bool | None, tokenizer, source: str) -> bool:
     """`dataset.apply_chat_template`: null applies the template when `tokenizer` (loaded from
-    `source`) has one; true without one is an error naming the key and the fix."""
+    `source`) has one; true without one is a `ConfigError` naming the key and the fix."""
     if setting is None:
         return has_chat_template(tokenizer)
     if setting and not has_chat_template(tokenizer):
-        raise ValueError(
-            f"dataset.apply_chat_template=true, but the tokenizer in {source} has no chat "
-            "template: set dataset.apply_chat_template=false (or null) to use the prompts as "
-            "they are, or use a tokenizer whose tokenizer_config.json has a chat_template"
+        raise ConfigError(
+            [
+                f"`dataset.apply_chat_template=true`, but the tokenizer in {source} has no chat "
+                "template: set dataset.apply_chat_template=false (or null) to use the prompts as "
+                "they are, or use a tokenizer whose tokenizer_config.json has a chat_template."
+            ]
         )
     return bool(setting)
 

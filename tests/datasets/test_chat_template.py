@@ -7,6 +7,7 @@ import copy
 
 import pytest
 
+from realrl.api.config import ConfigError
 from realrl.datasets.loader import (
     PairedDataset,
     PromptDataset,
@@ -118,6 +119,6 @@ def test_apply_chat_template_setting_resolves_against_the_tokenizer(chat_tokeniz
     assert resolve_chat_template(None, char_tokenizer, "char") is False
     assert resolve_chat_template(False, chat_tokenizer, "chat") is False
     with pytest.raises(
-        ValueError, match=r"dataset.apply_chat_template=true.*in /ckpt has no chat template"
+        ConfigError, match=r"dataset.apply_chat_template=true.*in /ckpt has no chat template"
     ):
         resolve_chat_template(True, char_tokenizer, "/ckpt")
