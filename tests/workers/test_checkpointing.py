@@ -1,14 +1,17 @@
-"""Worker-side checkpoint pieces: resuming a weights-only checkpoint's LR schedule, and the EOS
-ids a model trained on answers is saved with."""
+"""Checkpoint pieces: resuming a weights-only checkpoint's LR schedule, the EOS ids a model
+trained on answers is saved with, and the `checkpoint.*` keys."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
+from realrl.api.config import ConfigError, resolve_config
 from realrl.api.experiment import DatasetKind, LRScheduler, OptimizerConfig
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
+from realrl.experiments.ppo_math import PPOMathConfig
 from realrl.models.checkpoint import load_pretrained
 from realrl.models.config import ModelConfig
 from realrl.models.tokenizer import load_tokenizer
@@ -81,3 +84,12 @@ def test_a_model_trained_on_chat_answers_is_saved_with_their_end_token_as_eos(ch
     assert config_to_save(base, tokenizer, DatasetKind.prompt, None) is base
     critic = ModelConfig(**{**vars(base), "is_critic": True})
     assert config_to_save(critic, tokenizer, DatasetKind.paired, None) is critic
+
+
+def test_checkpoint_keys_resolve_and_a_negative_keep_last_is_reported():
+    config = resolve_config(
+        PPOMathConfig, ["checkpoint.weights_only=true", "checkpoint.keep_last=null"]
+    )
+    assert config.checkpoint.weights_only and config.checkpoint.keep_last is None
+    with pytest.raises(ConfigError, match=r"`checkpoint.keep_last=-1` must be >= 1, or 0/null"):
+        resolve_config(PPOMathConfig, ["checkpoint.keep_last=-1"])
