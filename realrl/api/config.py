@@ -106,6 +106,26 @@ class SlurmConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    weights_only: bool = help_field(
+        False, "Save the weights (Hugging Face format), the learning-rate schedule, RNG state and "
+        "data position, but no optimizer state (AdamW's two moments: twice the fp32 weights). "
+        "recover_mode=auto|resume still resumes from such a checkpoint, at its step, data "
+        "position and learning rate, with AdamW's moments starting again from zero (a warning "
+        "says so): the next updates differ from an uninterrupted run's."
+    )
+    keep_last: int | None = help_field(
+        2, "Keep the N newest complete checkpoints; an older one is deleted only once a newer "
+        "one is complete, so a crash never leaves none. 0 or null: keep every checkpoint."
+    )
+
+    def validate(self, prefix: str) -> list[str]:
+        if self.keep_last is not None and self.keep_last < 0:
+            return [f"`{prefix}.keep_last={self.keep_last}` must be >= 1, or 0/null to keep all."]
+        return []
+
+
+@dataclass
 class BaseExperimentConfig:
     """Keys every experiment has. Experiments subclass this and add their own sections."""
 
@@ -157,6 +177,10 @@ class BaseExperimentConfig:
         "(require one).",
     )
     recover_retries: int = help_field(1, "With recover_mode=auto on SLURM: resubmissions on failure.")
+    checkpoint: CheckpointConfig = help_field(
+        CheckpointConfig(), "What a checkpoint holds and how many are kept (how often: "
+        "save_freq_steps)."
+    )
     wandb: WandbConfig = help_field(WandbConfig(), "Weights & Biases logging.")
     tensorboard: bool = help_field(True, "Write tensorboard event files when tensorboard is installed.")
     slurm: SlurmConfig = help_field(SlurmConfig(), "SLURM options, used with mode=slurm.")
@@ -178,6 +202,7 @@ class BaseExperimentConfig:
             problems.append(f"`total_train_steps={self.total_train_steps}` must be at least 1.")
         if self.save_freq_steps < 0:
             problems.append(f"`save_freq_steps={self.save_freq_steps}` must be >= 0.")
+        problems += self.checkpoint.validate("checkpoint")
         for name, value in (("experiment_name", self.experiment_name), ("trial_name", self.trial_name)):
             if "/" in value or value in (".", ".."):
                 problems.append(f"`{name}={value}` must be a plain name without '/'.")

@@ -120,6 +120,13 @@ class DatasetConfig:
     builtin_train_size: int = help_field(
         4096, "With an empty path: how many built-in arithmetic problems form the training set."
     )
+    apply_chat_template: bool | None = help_field(
+        None, "Format prompts with the tokenizer's chat template: each prompt becomes one user "
+        "turn plus the assistant header (as `apply_chat_template(..., add_generation_prompt="
+        "True)`; no BOS added twice), and SFT/RW/DPO answers end with the template's "
+        "end-of-turn token (e.g. <|im_end|>). null: apply it when the tokenizer has one (the "
+        "built-in model's has none); true: require one; false: use prompts as they are."
+    )
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

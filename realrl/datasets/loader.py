@@ -1,10 +1,13 @@
 """Tokenized datasets, packed-batch builders, and a resumable epoch iterator.
 
-The datasets tokenize once at start-up with any tokenizer that has
-``encode(text, add_special_tokens=...) -> list[int]`` and ``eos_token_id`` (a Hugging Face
-tokenizer does). Prompts are encoded with special tokens (a BOS where the tokenizer uses
-one); completions are encoded without them and end with EOS, so a model learns to stop.
-Prompt and completion are encoded separately, so the prompt mask is exact.
+The datasets tokenize once at start-up with a Hugging Face tokenizer, through
+`realrl.models.tokenizer.TextFormat`: raw (``chat_template=False``), prompts are encoded with
+special tokens (a BOS where the tokenizer uses one) and completions without them, ending with
+EOS so a model learns to stop; as a chat (``chat_template=True``), a prompt is one user turn
+plus the assistant header, exactly as ``tokenizer.apply_chat_template(...,
+add_generation_prompt=True)`` encodes it, and a completion ends with the token the template
+closes an assistant turn with. Prompt and completion are encoded separately, so the prompt
+mask is exact, and length limits count the template's tokens.
 
 Batches are ``SequenceSample``s keyed as the interfaces expect:
 
@@ -31,23 +34,26 @@ import torch
 from realrl.api.data import SequenceSample
 from realrl.datasets.jsonl import DatasetError
 from realrl.datasets.records import load_paired_records, load_prompt_records, load_sft_records
+from realrl.models.tokenizer import TextFormat
 
 logger = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
+    chat_template: str | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
-def _eos_id(tokenizer: Tokenizer) -> int:
-    if tokenizer.eos_token_id is None:
+def _completion_format(tokenizer: Tokenizer, chat_template: bool) -> TextFormat:
+    text_format = TextFormat(tokenizer, chat_template)
+    if text_format.end_token_id is None:
         raise DatasetError(
             "the tokenizer has no eos_token_id; completions must end with EOS. Set "
             "tokenizer.eos_token (e.g. '</s>') before building SFT or paired datasets"
         )
-    return int(tokenizer.eos_token_id)
+    return text_format
 
 
 def _record_ids(records: list[dict[str, Any]], source: str) -> list[str]:
@@ -93,8 +99,10 @@ class PromptDataset:
         tokenizer: Tokenizer,
         max_prompt_len: int | None = None,
         source: str = "prompt dataset",
+        chat_template: bool = False,
     ) -> None:
-        token_ids = [tokenizer.encode(r["prompt"], add_special_tokens=True) for r in records]
+        text_format = TextFormat(tokenizer, chat_template)
+        token_ids = [text_format.prompt_ids(r["prompt"]) for r in records]
         pairs = _drop_long(
             list(zip(records, token_ids)),
             [len(t) for t in token_ids],
@@ -108,9 +116,14 @@ class PromptDataset:
 
     @classmethod
     def from_jsonl(
-        cls, path: str | Path, tokenizer: Tokenizer, max_prompt_len: int | None = None
+        cls,
+        path: str | Path,
+        tokenizer: Tokenizer,
+        max_prompt_len: int | None = None,
+        chat_template: bool = False,
     ) -> PromptDataset:
-        return cls(load_prompt_records(path), tokenizer, max_prompt_len, source=str(path))
+        records = load_prompt_records(path)
+        return cls(records, tokenizer, max_prompt_len, str(path), chat_template)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -125,13 +138,11 @@ class SFTDataset:
         tokenizer: Tokenizer,
         max_seq_len: int | None = None,
         source: str = "SFT dataset",
+        chat_template: bool = False,
     ) -> None:
-        eos = _eos_id(tokenizer)
+        text_format = _completion_format(tokenizer, chat_template)
         encoded = [
-            (
-                tokenizer.encode(r["prompt"], add_special_tokens=True),
-                [*tokenizer.encode(r["answer"], add_special_tokens=False), eos],
-            )
+            (text_format.prompt_ids(r["prompt"]), text_format.completion_ids(r["answer"]))
             for r in records
         ]
         items = _drop_long(
@@ -148,9 +159,14 @@ class SFTDataset:
 
     @classmethod
     def from_jsonl(
-        cls, path: str | Path, tokenizer: Tokenizer, max_seq_len: int | None = None
+        cls,
+        path: str | Path,
+        tokenizer: Tokenizer,
+        max_seq_len: int | None = None,
+        chat_template: bool = False,
     ) -> SFTDataset:
-        return cls(load_sft_records(path), tokenizer, max_seq_len, source=str(path))
+        records = load_sft_records(path)
+        return cls(records, tokenizer, max_seq_len, str(path), chat_template)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -165,15 +181,13 @@ class PairedDataset:
         tokenizer: Tokenizer,
         max_seq_len: int | None = None,
         source: str = "paired dataset",
+        chat_template: bool = False,
     ) -> None:
-        eos = _eos_id(tokenizer)
-
-        def completion(text: str) -> list[int]:
-            return [*tokenizer.encode(text, add_special_tokens=False), eos]
-
+        text_format = _completion_format(tokenizer, chat_template)
+        completion = text_format.completion_ids
         encoded = []
         for record in records:
-            prompt = tokenizer.encode(record["prompt"], add_special_tokens=True)
+            prompt = text_format.prompt_ids(record["prompt"])
             pairs = [
                 (completion(pos), completion(neg))
                 for pos, neg in zip(record["pos_answers"], record["neg_answers"])
@@ -190,9 +204,14 @@ class PairedDataset:
 
     @classmethod
     def from_jsonl(
-        cls, path: str | Path, tokenizer: Tokenizer, max_seq_len: int | None = None
+        cls,
+        path: str | Path,
+        tokenizer: Tokenizer,
+        max_seq_len: int | None = None,
+        chat_template: bool = False,
     ) -> PairedDataset:
-        return cls(load_paired_records(path), tokenizer, max_seq_len, source=str(path))
+        records = load_paired_records(path)
+        return cls(records, tokenizer, max_seq_len, str(path), chat_template)
 
     def __len__(self) -> int:
         return len(self.records)

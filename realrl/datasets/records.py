@@ -14,6 +14,9 @@ SFT::  {"prompt": str, "answer": str}   (``answer`` is the completion the model 
 Paired (reward modelling, DPO)::
 
     {"prompt": str, "pos_answers": [str], "neg_answers": [str]}   (same non-zero length)
+
+``prompt`` is the text of the user's turn: with a chat template (`dataset.apply_chat_template`)
+the datasets wrap it, so records never carry control tokens such as ``<|im_start|>``.
 """
 
 from __future__ import annotations

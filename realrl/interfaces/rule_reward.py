@@ -1,6 +1,9 @@
 """Verifiable rewards (MFC ``rew_inf``): decode each response and score it by its task.
 
-Runs on a tokenizer-only engine (``engine.module is None``): math answers are checked with
+Runs on a tokenizer-only engine (``engine.module is None``) that knows the policy
+checkpoint's EOS ids (``engine.eos_token_ids``: config.json's and generation_config.json's); a
+response that ends with any of them, or with the tokenizer's EOS, ends there. Math answers are
+checked with
 `realrl.rewards.MathVerifier`, code with `realrl.rewards.CodeSandbox`, routed per sample by the
 ``task`` metadata. Both hold worker processes, so they are created on first use and kept
 across calls; `close` stops them.
@@ -40,7 +43,8 @@ class RuleRewardInterface:
                 f"is {engine!r}; the reward role must be built with its tokenizer path"
             )
         require_keys(data, ("packed_input_ids", "prompt_mask"), "rule_reward.inference")
-        completions = decode_responses(tokenizer, data)
+        eos_ids = {*engine.eos_token_ids, tokenizer.eos_token_id} - {None}
+        completions = decode_responses(tokenizer, data, eos_ids)
         tasks, answers, input_outputs = self._per_sequence_metadata(data)
         rewards = score_completions(
             completions,
@@ -114,12 +118,12 @@ def _metadata(data: SequenceSample, name: str, index: int):
     return None if values is None else values[index]
 
 
-def decode_responses(tokenizer, data: SequenceSample) -> list[str]:
-    """The text of each sequence's response: tokens after the prompt, a final EOS dropped."""
+def decode_responses(tokenizer, data: SequenceSample, eos_ids: set[int]) -> list[str]:
+    """The text of each sequence's response: tokens after the prompt, a final EOS (any of
+    `eos_ids`) dropped."""
     packed_input_ids = data.data["packed_input_ids"].cpu()  # [total_tokens]
     prompt_mask = data.data["prompt_mask"].cpu().bool()  # [total_tokens]
     lengths = data.seqlens_of("packed_input_ids")
-    eos_ids = {tokenizer.eos_token_id} - {None}
     completions = []
     for tokens, is_prompt in zip(packed_input_ids.split(lengths), prompt_mask.split(lengths)):
         response = tokens[~is_prompt].tolist()

@@ -53,11 +53,16 @@ def resolve_model_paths(config: BaseExperimentConfig) -> None:
 def check_dataset(config: BaseExperimentConfig, plan: LaunchPlan) -> None:
     """Validate a user dataset file here, before any process starts: a malformed line raises
     `DatasetError` naming the file, the line and the problem (the CLI prints it, exit 2),
-    instead of a traceback from the master after every worker has loaded its models."""
+    instead of a traceback from the master after every worker has loaded its models; so does
+    `dataset.apply_chat_template=true` with a tokenizer that has no chat template."""
     if config.dataset.path:
         from realrl.workers.data_source import load_records
 
         load_records(plan.spec.dataset_kind, config.dataset.path)
+    if config.dataset.apply_chat_template:
+        from realrl.workers.data_source import check_chat_template
+
+        check_chat_template(config.dataset.apply_chat_template, plan.spec.models)
 
 
 def prepare_run_dir(config: BaseExperimentConfig) -> Path:

@@ -1,15 +1,20 @@
 """Reading and writing Hugging Face checkpoint directories.
 
 `load_pretrained` reads `config.json` plus `model.safetensors`, a sharded
-`model.safetensors.index.json`, or `pytorch_model.bin`. Every tensor name and shape is
-checked against the family's layout before any data is read, and each problem is reported
-with the file and tensor involved. `save_pretrained` writes a directory that
-`transformers.AutoModelForCausalLM.from_pretrained` loads with identical outputs.
+`model.safetensors.index.json`, or `pytorch_model.bin`, and `generation_config.json` when
+present. Every tensor name and shape is checked against the family's layout before any data
+is read, and each problem is reported with the file and tensor involved. `save_pretrained`
+writes a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads with
+identical outputs, and a `generation_config.json` carrying over the loaded one with every EOS
+id realrl stops at, so `generate` in transformers stops where realrl does.
 
-Critic checkpoints keep the backbone under HF names, store the value head as
-`value_head.weight` [1, hidden] in the same safetensors files, have no `lm_head.weight`, and
-carry `"realrl_critic": true` in config.json. Loading an LM checkpoint with `critic=True`
-drops its LM head and starts a zero-initialised value head.
+Critic (and reward-model) checkpoints are transformers' `<Family>ForSequenceClassification`
+with one label: the backbone under HF names, the value head as `score.weight` [1, hidden], no
+`lm_head.weight`, and `pad_token_id` set so that transformers finds each sequence's last
+token, where realrl reads the score. `AutoModelForSequenceClassification.from_pretrained`
+loads them with the trained head. Older realrl critics (`value_head.weight` and
+`"realrl_critic": true`) still load. Loading an LM checkpoint with `critic=True` drops its LM
+head and starts a zero-initialised value head.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from realrl.models.config import ModelConfig, merged_eos_token_ids
 from realrl.models.families import (
+    SCORE_HEAD_NAME,
     VALUE_HEAD_NAME,
     from_hf_state_dict,
     get_family,
@@ -38,6 +45,7 @@ logger = logging.getLogger(__name__)
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_BIN_FILE = "pytorch_model.bin"
+GENERATION_CONFIG_FILE = "generation_config.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -52,6 +60,23 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} not found: a checkpoint directory needs it") from None
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+
+
+def read_generation_config(directory: Path) -> dict | None:
+    """generation_config.json of a checkpoint directory, or None where it has none."""
+    path = directory / GENERATION_CONFIG_FILE
+    return _read_json(path) if path.is_file() else None
+
+
+def checkpoint_eos_token_ids(path: str | os.PathLike) -> list[int]:
+    """Every EOS id a checkpoint declares (config.json's and generation_config.json's), for
+    the roles that load a tokenizer without the model (rule-based rewards); [] for a
+    directory that holds only a tokenizer."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        return []
+    config_eos = _read_json(directory / "config.json").get("eos_token_id")
+    return merged_eos_token_ids(config_eos, read_generation_config(directory))
 
 
 def _tensor_index(directory: Path) -> dict[str, tuple[Path, tuple[int, ...] | None]]:
@@ -150,11 +175,17 @@ def load_pretrained(
     except ValueError as error:
         raise CheckpointError(f"{directory / 'config.json'}: {error}") from None
     stored_critic = config.is_critic
-    config = dataclasses.replace(config, is_critic=critic or stored_critic)
+    config = dataclasses.replace(
+        config,
+        is_critic=critic or stored_critic,
+        generation_config=read_generation_config(directory),
+    )
     index = _tensor_index(directory)
     expected = hf_tensor_shapes(config)
     if stored_critic:
-        expected[VALUE_HEAD_NAME] = (1, config.hidden_size)
+        # realrl's critics before transformers-loadable ones named the head value_head.weight.
+        head_name = VALUE_HEAD_NAME if VALUE_HEAD_NAME in index else SCORE_HEAD_NAME
+        expected[head_name] = (1, config.hidden_size)
     allow_extra = {"lm_head.weight"} if (config.tie_word_embeddings or config.is_critic) else set()
     _check_names_and_shapes(index, expected, allow_extra)
     hf_state = _read_tensors(index, set(expected), dtype, device)
@@ -194,7 +225,8 @@ def save_pretrained(
     tokenizer=None,
     max_shard_bytes: int = 5 * 1024**3,
 ) -> None:
-    """Write config.json and safetensors (sharded above `max_shard_bytes`) in HF layout."""
+    """Write config.json, generation_config.json and safetensors (sharded above
+    `max_shard_bytes`) in HF layout, and `tokenizer` when given."""
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     for stale in list(directory.glob("model*.safetensors")) + list(
@@ -219,11 +251,59 @@ def save_pretrained(
         total_size = sum(t.numel() * t.element_size() for t in state.values())
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
-    hf_config = get_family(model.config.model_type).config_to_hf(model.config)
+    config = model.config
+    if config.is_critic:
+        config = dataclasses.replace(config, pad_token_id=_critic_pad_token_id(config, tokenizer))
+    hf_config = get_family(config.model_type).config_to_hf(config)
     hf_config["torch_dtype"] = hf_config["dtype"] = _dtype_name(model.dtype)
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation_config = generation_config_to_save(config)
+    (directory / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
     logger.info(
         "saved %s checkpoint in %d file(s) to %s", model.config.model_type, len(shards), directory
     )
+
+
+def generation_config_to_save(config: ModelConfig) -> dict:
+    """The loaded generation_config.json with `eos_token_id` set to every EOS id realrl stops
+    at (config.json's and the loaded file's), and config.json's BOS and pad ids where it had
+    none."""
+    saved = dict(config.generation_config or {})
+    eos = config.eos_token_ids
+    if eos:
+        saved["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    for key, value in (
+        ("bos_token_id", config.bos_token_id),
+        ("pad_token_id", config.pad_token_id),
+    ):
+        if saved.get(key) is None and value is not None:
+            saved[key] = value
+    return saved
+
+
+def _critic_pad_token_id(config: ModelConfig, tokenizer) -> int | None:
+    """The pad id a saved critic declares: transformers' sequence classification scores each
+    sequence at its last token that is not `pad_token_id` (and refuses batches without one).
+    config.json's, else generation_config.json's, else the tokenizer's."""
+    candidates = (
+        config.pad_token_id,
+        (config.generation_config or {}).get("pad_token_id"),
+        getattr(tokenizer, "pad_token_id", None),
+    )
+    pad_token_id = next((token_id for token_id in candidates if token_id is not None), None)
+    if pad_token_id is None:
+        logger.warning(
+            "the critic checkpoint has no pad_token_id (config.json, generation_config.json "
+            "and the tokenizer name none): transformers' AutoModelForSequenceClassification "
+            "will refuse batches of more than one sequence; set pad_token_id in config.json"
+        )
+    elif pad_token_id == getattr(tokenizer, "eos_token_id", None):
+        logger.warning(
+            "the critic checkpoint's pad_token_id=%d is also the tokenizer's EOS: transformers' "
+            "sequence classification scores a sequence ending with EOS at the token before it, "
+            "realrl at the EOS itself",
+            pad_token_id,
+        )
+    return pad_token_id

@@ -21,6 +21,11 @@ class ModelConfig:
     `rope_parameters`/`rope_scaling` dict minus `rope_theta` (e.g. `{"rope_type": "llama3",
     "factor": 8.0, ...}`), or None for plain RoPE. `sliding_window` (Mistral) limits how far
     back a token attends; None means full causal attention.
+
+    `eos_token_id` is config.json's; `generation_config` is the checkpoint's
+    generation_config.json as loaded (None without one), carried into every checkpoint realrl
+    saves. Its `eos_token_id` may list more ids than config.json (Qwen2.5-Instruct:
+    config.json 151645, generation_config.json [151645, 151643]); `eos_token_ids` is the union.
     """
 
     vocab_size: int
@@ -42,6 +47,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    generation_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -75,8 +81,22 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        if self.eos_token_id is None:
-            return []
-        if isinstance(self.eos_token_id, int):
-            return [self.eos_token_id]
-        return list(self.eos_token_id)
+        """Every id that ends a response: config.json's, then generation_config.json's."""
+        return merged_eos_token_ids(self.eos_token_id, self.generation_config)
+
+
+def merged_eos_token_ids(
+    config_eos: int | list[int] | None, generation_config: dict[str, Any] | None
+) -> list[int]:
+    """The union of config.json's `eos_token_id` and generation_config.json's, in that order."""
+    generation_eos = (generation_config or {}).get("eos_token_id")
+    return list(dict.fromkeys(token_id_list(config_eos) + token_id_list(generation_eos)))
+
+
+def token_id_list(value: int | list[int] | None) -> list[int]:
+    """An HF `*_token_id` entry (an int, a list of ints, or null) as a list."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(token_id) for token_id in value]

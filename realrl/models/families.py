@@ -15,7 +15,12 @@ translators. Llama, Qwen2 and Mistral share one weight layout, described once by
     layers.{i}.mlp.down.weight               model.layers.{i}.mlp.down_proj.weight
     final_norm.weight                        model.norm.weight
     lm_head.weight                           lm_head.weight (absent when embeddings are tied)
-    value_head.weight                        value_head.weight (critics only; realrl's own name)
+    value_head.weight                        score.weight (critics and reward models only)
+
+Critics and reward models are saved as transformers' `<Family>ForSequenceClassification` with
+one label, so `AutoModelForSequenceClassification` loads them with their trained head. Such
+checkpoints, from realrl or elsewhere, load as critics; so does realrl's older critic format
+(`value_head.weight` under a `*ForCausalLM` config marked `"realrl_critic": true`).
 
 Families are looked up by `model_type` with `get_family`; a miss lists the supported types.
 """
@@ -30,8 +35,10 @@ import torch
 
 from realrl.models.config import ModelConfig
 
-VALUE_HEAD_NAME = "value_head.weight"
-CRITIC_CONFIG_KEY = "realrl_critic"
+VALUE_HEAD_NAME = "value_head.weight"  # realrl's parameter; also the head of older realrl critics
+SCORE_HEAD_NAME = "score.weight"  # transformers' sequence-classification head, [num_labels, hidden]
+LEGACY_CRITIC_CONFIG_KEY = "realrl_critic"  # config.json mark of older realrl critic checkpoints
+SEQUENCE_CLASSIFICATION_SUFFIX = "ForSequenceClassification"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +47,12 @@ class Family:
     architecture: str
     config_from_hf: Callable[[dict[str, Any]], ModelConfig]
     config_to_hf: Callable[[ModelConfig], dict[str, Any]]
+
+    @property
+    def critic_architecture(self) -> str:
+        """The transformers class critics and reward models are saved as, e.g.
+        `Qwen2ForSequenceClassification` for `Qwen2ForCausalLM`."""
+        return self.architecture.removesuffix("ForCausalLM") + SEQUENCE_CLASSIFICATION_SUFFIX
 
 
 FAMILIES: dict[str, Family] = {}
@@ -60,6 +73,23 @@ def get_family(model_type: str) -> Family:
 
 
 # ---------------------------------------------------------------- config translation
+
+
+def is_critic_config(hf: dict[str, Any]) -> bool:
+    """Whether config.json describes a scalar-score model: a transformers sequence classifier
+    (one label) or an older realrl critic."""
+    if hf.get(LEGACY_CRITIC_CONFIG_KEY):
+        return True
+    architectures = hf.get("architectures") or []
+    if not any(name.endswith(SEQUENCE_CLASSIFICATION_SUFFIX) for name in architectures):
+        return False
+    num_labels = len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels", 1)
+    if num_labels != 1:
+        raise ValueError(
+            f"{architectures[0]} with {num_labels} labels is not supported: realrl critics and "
+            "reward models output one scalar score (num_labels=1)"
+        )
+    return True
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -98,7 +128,7 @@ def _llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         qkv_bias=model_type == "qwen2",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=sliding_window,
-        is_critic=bool(hf.get(CRITIC_CONFIG_KEY, False)),
+        is_critic=is_critic_config(hf),
         model_type=model_type,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
@@ -108,8 +138,9 @@ def _llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def _llama_config_to_hf(config: ModelConfig) -> dict[str, Any]:
     rope_parameters = {"rope_type": "default", **(config.rope_scaling or {})}
+    family = get_family(config.model_type)
     hf = {
-        "architectures": [get_family(config.model_type).architecture],
+        "architectures": [family.critic_architecture if config.is_critic else family.architecture],
         "model_type": config.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -138,7 +169,8 @@ def _llama_config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if config.model_type in ("qwen2", "mistral"):
         hf.update(sliding_window=config.sliding_window)
     if config.is_critic:
-        hf[CRITIC_CONFIG_KEY] = True
+        # One label; transformers scores each sequence at its last token that is not pad_token_id.
+        hf.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return hf
 
 
@@ -188,7 +220,7 @@ def _layer_rules(config: ModelConfig, i: int) -> list[tuple[str, list[str], list
 
 
 def weight_rules(config: ModelConfig) -> list[tuple[str, list[str], list[int]]]:
-    """Every (realrl name, HF names, split sizes) of an LM or critic, excluding the value head."""
+    """Every (realrl name, HF names, split sizes) of an LM or critic, excluding the critic's head."""
     rules = [("embedding.weight", ["model.embed_tokens.weight"], [])]
     for i in range(config.num_hidden_layers):
         rules.extend(_layer_rules(config, i))
@@ -229,16 +261,18 @@ def to_hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         pieces = tensor.split(sizes, dim=0) if sizes else [tensor]
         hf.update(zip(hf_names, pieces))
     if config.is_critic:
-        hf[VALUE_HEAD_NAME] = ours[VALUE_HEAD_NAME]
+        hf[SCORE_HEAD_NAME] = ours[VALUE_HEAD_NAME]
     return hf
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """realrl state dict from HF-named tensors; names must be complete (checked by the caller)."""
+    """realrl state dict from HF-named tensors; names must be complete (checked by the caller).
+    A critic's head is read from `score.weight`, or `value_head.weight` in older realrl critics."""
     ours = {}
     for our_name, hf_names, sizes in weight_rules(config):
         pieces = [hf[name] for name in hf_names]
         ours[our_name] = torch.cat(pieces, dim=0) if sizes else pieces[0]
-    if config.is_critic and VALUE_HEAD_NAME in hf:
-        ours[VALUE_HEAD_NAME] = hf[VALUE_HEAD_NAME]
+    head = hf.get(SCORE_HEAD_NAME, hf.get(VALUE_HEAD_NAME)) if config.is_critic else None
+    if head is not None:
+        ours[VALUE_HEAD_NAME] = head
     return ours

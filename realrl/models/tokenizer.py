@@ -1,9 +1,19 @@
-"""Tokenizer helpers: load any local HF tokenizer, apply chat templates, build a char tokenizer.
+"""Tokenizer helpers: load any local HF tokenizer, format text with or without its chat
+template, build a char tokenizer.
+
+`TextFormat` is how every dataset turns prompts and completions into ids (the
+`dataset.apply_chat_template` key picks raw or chat). As a chat, a prompt is one user turn
+plus the assistant header, exactly the ids of `tokenizer.apply_chat_template(...,
+add_generation_prompt=True)`: the template writes its own BOS and control tokens
+(`<|im_start|>`), so nothing is added again. A completion is the answer followed by the token
+the template ends an assistant turn with (`<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3),
+found by rendering a conversation once.
 
 The character tokenizer serves the built-in arithmetic task: one token per character, ids
 0 `<pad>`, 1 `<eos>`, 2 `<unk>`, then the charset in order. It has no BOS token (prompts start
-directly with their first character) and adds no special tokens when encoding; the
-generation engine appends nothing either, so a response ends with the `<eos>` it sampled.
+directly with their first character), no chat template, and adds no special tokens when
+encoding; the generation engine appends nothing either, so a response ends with the `<eos>`
+it sampled.
 """
 
 from __future__ import annotations
@@ -14,6 +24,8 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from realrl.api.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +46,77 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
-    """The prompt as one user turn plus the assistant header, or unchanged without a template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return prompt
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def resolve_chat_template(setting: bool | None, tokenizer, source: str) -> bool:
+    """`dataset.apply_chat_template`: null applies the template when `tokenizer` (loaded from
+    `source`) has one; true without one is a `ConfigError` naming the key and the fix."""
+    if setting is None:
+        return has_chat_template(tokenizer)
+    if setting and not has_chat_template(tokenizer):
+        raise ConfigError(
+            [
+                f"`dataset.apply_chat_template=true`, but the tokenizer in {source} has no chat "
+                "template: set dataset.apply_chat_template=false (or null) to use the prompts as "
+                "they are, or use a tokenizer whose tokenizer_config.json has a chat_template."
+            ]
+        )
+    return bool(setting)
+
+
+class TextFormat:
+    """Prompt and completion ids, raw or through the chat template (see the module docstring).
+
+    Raw: a prompt is encoded with the tokenizer's special tokens (a BOS where it uses one); a
+    completion without them, then the tokenizer's EOS. `end_token_id` is the id every
+    completion ends with (None when the tokenizer has no EOS and no template names one).
+    """
+
+    def __init__(self, tokenizer, chat_template: bool) -> None:
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        turn_end = chat_turn_end_id(tokenizer) if chat_template else None
+        self.end_token_id: int | None = turn_end if turn_end is not None else tokenizer.eos_token_id
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        if not self.chat_template:
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        messages = [{"role": "user", "content": prompt}]
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def completion_ids(self, text: str) -> list[int]:
+        """`text` then `end_token_id` (the caller checks that there is one)."""
+        return [*self.tokenizer.encode(text, add_special_tokens=False), self.end_token_id]
+
+
+_ANSWER_MARKER = "realrl-answer-marker"
+
+
+def chat_turn_end_id(tokenizer) -> int | None:
+    """The token the chat template writes right after an assistant message's content, if it is
+    a special token (`<|im_end|>`, `<|eot_id|>`, `</s>`); None if the template writes none."""
+    messages = [
+        {"role": "user", "content": "question"},
+        {"role": "assistant", "content": _ANSWER_MARKER},
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as error:  # a template may raise anything (jinja2 errors, its own checks)
+        logger.warning(
+            "the chat template cannot render an assistant turn (%s): completions end with the "
+            "tokenizer's EOS",
+            error,
+        )
+        return None
+    if _ANSWER_MARKER not in text:
+        return None
+    after = tokenizer.encode(text.split(_ANSWER_MARKER, 1)[1], add_special_tokens=False)
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    return after[0] if after and after[0] in special else None
 
 
 def build_char_tokenizer(

@@ -6,7 +6,12 @@ A checkpoint directory holds:
   of the owner's data-parallel replica 0 and written by its first rank), and the optimizer and
   LR schedule beside them: `optimizer.pt`, or with tp size T one `optimizer.tp<r>of<T>.pt` per
   tp rank r (optimizer state is sharded like the parameters; data-parallel replicas are equal,
-  so replica 0 writes). Loading shards the full weights again for every hosted layout;
+  so replica 0 writes). Loading shards the full weights again for every hosted layout. With
+  `checkpoint.weights_only=true` only the LR schedule is written (`lr_scheduler.pt`, by the
+  first rank); resuming from it keeps the schedule and starts AdamW's moments from zero.
+  A language model trained on answers (SFT, DPO) lists the token its answers end with among
+  the EOS ids of its generation_config.json (a base model's chat template may close a turn with
+  `<|im_end|>` while its config names `<|endoftext|>`), so generation from it stops there;
 - `interfaces/<mfc>.pt`: the state an interface keeps between steps (`interface.state`: the PPO
   interfaces' KL controller and value normaliser), written by the first rank of the MFC's
   layout; it is the same on every data-parallel rank (its statistics are all-reduced), so every
@@ -20,17 +25,23 @@ bit-identical: the sampling streams of new ranks and layouts start from their se
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 
+from realrl.api.experiment import DatasetKind
 from realrl.models.checkpoint import load_pretrained, save_pretrained
+from realrl.models.config import ModelConfig
 from realrl.models.tensor_parallel import shard_state_dict
+from realrl.models.tokenizer import TextFormat, resolve_chat_template
 from realrl.models.transformer import Transformer
 from realrl.workers.realloc import gather_full_parameters, gather_group_ranks
 
 logger = logging.getLogger(__name__)
+
+SCHEDULE_FILE = "lr_scheduler.pt"
 
 
 def changing_roles(plan) -> list[str]:
@@ -61,17 +72,57 @@ def save_worker_state(worker, directory: str) -> None:
 
 
 def _save_role(worker, owner, role_dir: Path) -> None:
-    """Full HF weights (first rank) and this tp rank's optimizer state, from replica 0."""
+    """Full HF weights (first rank) and this tp rank's optimizer state, from replica 0; with
+    `checkpoint.weights_only` the LR schedule instead of the optimizer state."""
     engine = worker.models[owner].engine
     full = gather_full_parameters(engine, owner, worker.rank, worker.groups)
     role_dir.mkdir(parents=True, exist_ok=True)
+    plan = worker.plan
     if full is not None:
+        config = config_to_save(
+            engine.module.config,
+            engine.tokenizer,
+            plan.dataset_kind,
+            plan.dataset.apply_chat_template,
+        )
         with torch.device("meta"):
-            model = Transformer(engine.module.config)
+            model = Transformer(config)
         model.load_state_dict(full, strict=True, assign=True)
         save_pretrained(model, role_dir, tokenizer=engine.tokenizer)
-    if engine.optimizer is not None:
+    if engine.optimizer is None:
+        return
+    if not plan.base.checkpoint.weights_only:
         torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine.parallel))
+    elif full is not None:
+        torch.save(engine.lr_scheduler.state_dict(), role_dir / SCHEDULE_FILE)
+
+
+def config_to_save(
+    config: ModelConfig,
+    tokenizer,
+    dataset_kind: DatasetKind,
+    apply_chat_template: bool | None,
+) -> ModelConfig:
+    """`config`, plus the token the run's answers end with among the EOS ids of a language
+    model trained on answers (SFT, DPO: `dataset_kind` sft or paired) when its checkpoint did
+    not list it."""
+    if config.is_critic or dataset_kind == DatasetKind.prompt:
+        return config
+    chat = resolve_chat_template(apply_chat_template, tokenizer, tokenizer.name_or_path)
+    end = TextFormat(tokenizer, chat).end_token_id
+    if end is None or end in config.eos_token_ids:
+        return config
+    logger.info(
+        "the answers this model trained on end with token %d (%r), which its checkpoint did "
+        "not list as EOS: the saved generation_config.json adds it",
+        end,
+        tokenizer.convert_ids_to_tokens(end),
+    )
+    generation_config = {
+        **(config.generation_config or {}),
+        "eos_token_id": [*config.eos_token_ids, end],
+    }
+    return dataclasses.replace(config, generation_config=generation_config)
 
 
 def optimizer_file_name(parallel) -> str:
@@ -107,7 +158,9 @@ def load_worker_state(worker, directory: str) -> None:
             )
         for name, target in engine.module.named_parameters():
             target.copy_(loaded[name])
-        if engine.optimizer is not None:
+        if engine.optimizer is not None and (role_dir / SCHEDULE_FILE).is_file():
+            _resume_schedule_only(engine, torch.load(role_dir / SCHEDULE_FILE, weights_only=False))
+        elif engine.optimizer is not None:
             engine.load_checkpoint_state(
                 torch.load(_optimizer_path(role_dir, parallel), weights_only=False)
             )
@@ -116,6 +169,15 @@ def load_worker_state(worker, directory: str) -> None:
         if path.is_file() and worker.rank in worker.plan.layout_of(mfc.name).ranks:
             _load_interface_state(worker, mfc, torch.load(path, weights_only=False))
     _load_rng_state(worker, root / "rng" / f"rank{worker.rank}.pt")
+
+
+def _resume_schedule_only(engine, schedule: dict) -> None:
+    """A weights-only checkpoint: the LR schedule goes on from its step, and the optimizer's
+    learning rate with it (loading optimizer state would have set it); AdamW's moments stay
+    zero."""
+    engine.lr_scheduler.load_state_dict(schedule)
+    for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+        group["lr"] = lr
 
 
 def _optimizer_path(role_dir: Path, parallel) -> Path:

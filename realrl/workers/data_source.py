@@ -2,8 +2,9 @@
 
 An empty `dataset.path` selects the built-in synthetic arithmetic task (a fixed, seeded pool,
 the same on every run); a path is a user JSONL file, validated line by line before anything
-trains. The iterator state (epoch, position) is saved in checkpoints so recovery continues
-from the same sample.
+trains. `dataset.apply_chat_template` decides whether prompts go through the tokenizer's chat
+template (see `realrl.models.tokenizer.TextFormat`); the choice is logged once. The iterator
+state (epoch, position) is saved in checkpoints so recovery continues from the same sample.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from realrl.api.data import SequenceSample
-from realrl.api.experiment import DatasetKind
+from realrl.api.experiment import DatasetKind, ModelKind, ModelSpec
 from realrl.datasets.arithmetic import as_paired_records, as_sft_records, make_arithmetic_splits
 from realrl.datasets.loader import (
     EpochIterator,
@@ -23,6 +24,7 @@ from realrl.datasets.loader import (
     make_sft_batch,
 )
 from realrl.datasets.records import load_paired_records, load_prompt_records, load_sft_records
+from realrl.models.tokenizer import load_tokenizer, resolve_chat_template
 from realrl.workers.run_plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -57,20 +59,37 @@ def load_records(kind: DatasetKind, path: str, builtin_train_size: int = BUILTIN
     return loader(path)
 
 
+def tokenizer_path(models: dict[str, ModelSpec]) -> str:
+    """The checkpoint whose tokenizer encodes the dataset: the first language model's."""
+    for spec in models.values():
+        if spec.kind == ModelKind.lm and spec.config is not None:
+            return spec.config.path
+    return next(spec.config.path for spec in models.values() if spec.config is not None)
+
+
+def check_chat_template(setting: bool | None, models: dict[str, ModelSpec]) -> None:
+    """At launch: `dataset.apply_chat_template=true` needs a tokenizer with a chat template."""
+    path = tokenizer_path(models)
+    resolve_chat_template(setting, load_tokenizer(path), path)
+
+
 class DataSource:
     def __init__(self, plan: RunPlan, tokenizer):
         settings = plan.dataset
         records = load_records(plan.dataset_kind, settings.path, settings.builtin_train_size)
         source = settings.path or "built-in arithmetic data"
+        chat = resolve_chat_template(settings.apply_chat_template, tokenizer,
+                                     tokenizer.name_or_path)
         if plan.dataset_kind == DatasetKind.prompt:
-            self.dataset = PromptDataset(records, tokenizer, settings.max_prompt_len, source)
+            self.dataset = PromptDataset(records, tokenizer, settings.max_prompt_len, source, chat)
             self._make_batch = make_prompt_batch
         elif plan.dataset_kind == DatasetKind.sft:
-            self.dataset = SFTDataset(records, tokenizer, settings.max_seq_len, source)
+            self.dataset = SFTDataset(records, tokenizer, settings.max_seq_len, source, chat)
             self._make_batch = make_sft_batch
         else:
-            self.dataset = PairedDataset(records, tokenizer, settings.max_seq_len, source)
+            self.dataset = PairedDataset(records, tokenizer, settings.max_seq_len, source, chat)
             self._make_batch = make_paired_batch
+        log_text_format(settings.apply_chat_template, chat, tokenizer, self.dataset)
         self.iterator = EpochIterator(len(self.dataset), settings.batch_size, plan.base.seed,
                                       drop_last=True)
         logger.info("%s: %d records, batch size %d, %d batches per epoch", source,
@@ -84,3 +103,17 @@ class DataSource:
 
     def load_state_dict(self, state: dict) -> None:
         self.iterator.load_state_dict(state)
+
+
+def log_text_format(setting: bool | None, chat: bool, tokenizer, dataset) -> None:
+    """Say once how prompts were tokenized, with the first one as the model sees it."""
+    if setting is None:
+        has = "has" if chat else "has no"
+        setting_text = f"null, and the tokenizer {has} a chat template"
+    else:
+        setting_text = str(setting).lower()
+    how = "as one user turn of the chat template" if chat else "as they are"
+    logger.info(
+        "dataset.apply_chat_template=%s: prompts are tokenized %s; the first one reads %r",
+        setting_text, how, tokenizer.decode(dataset.prompt_token_ids[0]),
+    )

@@ -24,6 +24,7 @@ from realrl.api.dfg import MFCDef, MFCKind, OffloadHook
 from realrl.api.experiment import ModelKind
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.interfaces.registry import make_interface
+from realrl.models.checkpoint import checkpoint_eos_token_ids
 from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import checkpointing
 from realrl.workers.core_share import CoreShare
@@ -41,9 +42,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TokenizerOnlyEngine:
-    """What a rule-based role (a verifier, no weights) gets: the policy's tokenizer."""
+    """What a rule-based role (a verifier, no weights) gets: the policy's tokenizer and the EOS
+    ids its checkpoint declares (config.json and generation_config.json)."""
 
     tokenizer: object
+    eos_token_ids: list[int]
     module: None = None
 
 
@@ -111,7 +114,7 @@ class ModelWorker:
         if spec.kind == ModelKind.rule:
             if mfc.model_role not in self.rule_engines:
                 self.rule_engines[mfc.model_role] = TokenizerOnlyEngine(
-                    load_tokenizer(spec.config.path))
+                    load_tokenizer(spec.config.path), checkpoint_eos_token_ids(spec.config.path))
             return self.rule_engines[mfc.model_role]
         engine = self.models[self.plan.layout_of(mfc.name)].engine
         engine.onload()

@@ -1,6 +1,5 @@
 import json
 import string
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.configs import RuleRewardConfig
 from realrl.interfaces.rule_reward import RuleRewardInterface
 from realrl.models.tokenizer import build_char_tokenizer
+from realrl.workers.model_worker import TokenizerOnlyEngine
 
 ADD_TESTS = json.dumps({"inputs": ["2 3\n"], "outputs": ["5\n"]})
 ADD_PROGRAM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
@@ -54,7 +54,7 @@ def test_rule_reward_scores_math_and_code_sequences_by_task(printable_tokenizer)
             ),
         ],
     )
-    engine = SimpleNamespace(module=None, tokenizer=printable_tokenizer)
+    engine = TokenizerOnlyEngine(printable_tokenizer, [printable_tokenizer.eos_token_id])
     interface = RuleRewardInterface(RuleRewardConfig(math_timeout_s=10.0))
     try:
         result = interface.inference(engine, data, MicroBatchSpec())
@@ -78,10 +78,35 @@ def test_rule_reward_explains_missing_references_and_tokenizer(printable_tokeniz
     data = _batch(printable_tokenizer, [("1+2=", ["3"], {"task": "math"})])
     interface = RuleRewardInterface(RuleRewardConfig())
     with pytest.raises(ValueError, match="neither `solutions` nor `answer`"):
-        interface.inference(
-            SimpleNamespace(module=None, tokenizer=printable_tokenizer), data, MicroBatchSpec()
-        )
+        interface.inference(TokenizerOnlyEngine(printable_tokenizer, []), data, MicroBatchSpec())
     with pytest.raises(ValueError, match="needs a tokenizer"):
         interface.inference(None, data, MicroBatchSpec())
     with pytest.raises(NotImplementedError, match="supports inference"):
         interface.train_step(None, data, MicroBatchSpec())
+
+
+def test_rule_reward_ends_a_response_at_every_eos_id_of_the_checkpoint(printable_tokenizer):
+    """A checkpoint's generation_config.json may list EOS ids beyond the tokenizer's (Qwen2.5-
+    Instruct: [<|im_end|>, <|endoftext|>]); a response ending with any of them ends there and
+    the id is not part of the answer. Any id can be declared EOS; '0' makes it visible here:
+    the response "3" + EOS scores 1, the text "30" would score 0."""
+    stop = printable_tokenizer.convert_tokens_to_ids("0")
+    prompt = printable_tokenizer.encode("1+2=")
+    response = printable_tokenizer.encode("3") + [stop]
+    length = len(prompt + response)
+    data = SequenceSample.from_tensors(
+        ids=["q0"],
+        seqlens={"packed_input_ids": [[length]], "prompt_mask": [[length]]},
+        data={
+            "packed_input_ids": torch.tensor(prompt + response),
+            "prompt_mask": torch.tensor([True] * len(prompt) + [False] * len(response)),
+        },
+        metadata={"answer": ["3"], "task": ["math"]},
+    )
+    engine = TokenizerOnlyEngine(printable_tokenizer, [printable_tokenizer.eos_token_id, stop])
+    interface = RuleRewardInterface(RuleRewardConfig(math_timeout_s=10.0))
+    try:
+        result = interface.inference(engine, data, MicroBatchSpec())
+    finally:
+        interface.close()
+    assert result.data.data["rewards"].tolist() == [1.0]

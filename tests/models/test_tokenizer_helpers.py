@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from realrl.models.tokenizer import apply_chat_template, build_char_tokenizer, load_tokenizer
+from realrl.models.tokenizer import TextFormat, build_char_tokenizer, load_tokenizer
 
 
 def test_char_tokenizer_round_trips_arithmetic_text(tmp_path):
@@ -39,20 +39,25 @@ def test_char_tokenizer_rejects_multi_character_charset_entries(tmp_path):
         build_char_tokenizer(tmp_path, charset=["1", "<eos>"])
 
 
-def test_chat_template_is_identity_without_a_template(tmp_path):
+def test_text_format_without_a_template_encodes_text_as_it_is(tmp_path):
     tokenizer = build_char_tokenizer(tmp_path)
-    assert apply_chat_template(tokenizer, "1+2=") == "1+2="
+    text_format = TextFormat(tokenizer, chat_template=False)
+    assert text_format.prompt_ids("1+2=") == tokenizer.encode("1+2=")
+    assert text_format.completion_ids("3") == tokenizer.encode("3") + [tokenizer.eos_token_id]
 
 
-def test_chat_template_wraps_the_prompt_as_a_user_turn(tmp_path):
-    tokenizer = build_char_tokenizer(tmp_path)
+def test_text_format_wraps_the_prompt_as_a_user_turn(tmp_path):
+    tokenizer = build_char_tokenizer(tmp_path, charset="0123456789+=<>\naeinrstu")
     tokenizer.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     tokenizer.save_pretrained(tmp_path)
     reloaded = load_tokenizer(tmp_path)
-    assert apply_chat_template(reloaded, "1+2=") == "<user>1+2=\n<assistant>"
+    text_format = TextFormat(reloaded, chat_template=True)
+    assert reloaded.decode(text_format.prompt_ids("1+2=")) == "<user>1+2=<eos>\n<assistant>"
+    # The template closes a turn with <eos>, a special token: answers end with it.
+    assert text_format.end_token_id == reloaded.eos_token_id
 
 
 def test_load_tokenizer_reports_a_missing_directory(tmp_path):
