@@ -1,7 +1,7 @@
 """A user-defined experiment: ppo-math plus an extra MFC, registered by decorator.
 
     python -m realrl.apps.quickstart ppo-math-rm --import examples/custom_experiment.py \\
-        rm.path=runs/rw/trial0/checkpoints/step000200/default
+        rm.path=runs/rw/trial0/checkpoints/stepNNNNNN/default
     python -m realrl.apps.quickstart ppo-math-rm --import examples/custom_experiment.py --dry-run
 
 `rm_inf` scores every response with a learned reward model (a paired-RW checkpoint from the `rw`

@@ -32,8 +32,7 @@ OUTPUT_KEYS = ("packed_input_ids", "prompt_mask", "seq_no_eos_mask")
 @register_experiment("gen")
 @dataclass
 class GenerationExperimentConfig(BaseExperimentConfig):
-    """Generate completions for {"prompt", ...} records into <run_dir>/generated.jsonl (one file,
-    in the dataset's prompt order)."""
+    """Generate completions for {"prompt", ...} records into one <run_dir>/generated.jsonl."""
 
     model: ModelRoleConfig = help_field(ModelRoleConfig(), "The model to sample from.")
     dataset: DatasetConfig = help_field(DatasetConfig(batch_size=16), "Prompts.")
