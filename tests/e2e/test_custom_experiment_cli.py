@@ -42,13 +42,15 @@ def test_training_on_the_reward_model_shows_its_score_as_the_reward(tiny_model, 
                  cli_env)
     assert rw.returncode == 0, describe(rw)
     reward_model = tmp_path / "rw" / "trial0" / "checkpoints" / "step000001" / "default"
+    # Best of 3 responses per prompt by the reward model's score; the actor trains on 2.
     result = run_cli("ppo-math-rm", [*EXAMPLE, f"actor.path={tiny_model}", f"rm.path={reward_model}",
-                                     "reward_source=model", f"output_root={tmp_path}", *TINY_PPO],
-                     cli_env)
+                                     "reward_source=model", "generation_size=3",
+                                     f"output_root={tmp_path}", *TINY_PPO], cli_env)
     assert result.returncode == 0, describe(result)
     metrics = read_metrics(tmp_path / "ppo-math-rm" / "trial0")
     for record in metrics:
         assert record["reward/task_mean"] == record["batch/rm_scores/mean"] != 0.0
+        assert record["reward/task_mean"] == pytest.approx(record["rollout/best_of_n_reward"])
         assert record["actor_train/task_reward"] == pytest.approx(record["reward/task_mean"])
         assert "rew_inf/task_mean" in record  # the verifiable reward is still reported
     shown = [line.split(" | ")[2] for line in result.stdout.splitlines()

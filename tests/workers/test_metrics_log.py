@@ -22,7 +22,8 @@ def settings(total_train_steps: int, tensorboard: bool = False) -> BaseExperimen
 def test_eta_after_a_resume_leaves_out_the_first_steps_start_up_cost(tmp_path, monkeypatch,
                                                                       capsys):
     # Resumed at step 96 of 100: the first step compiles (90 s), every later one takes 6 s.
-    # Averaging the first step in showed 144 s after step 97 (96 s / 2 steps * 3 left).
+    # Averaging the first step in showed 270 s after step 97 (90 s * 3 left) and 96 s after
+    # step 98 (96 s / 2 * 2 left), for 18 s and 12 s left.
     now = [0.0]
     monkeypatch.setattr(metrics_log, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     logger = MetricsLogger(tmp_path, settings(100), first_step=96)
@@ -92,3 +93,15 @@ def test_log_settings_are_checked_with_the_key_and_the_fix():
         "`log.samples_per_step=-1` must be >= 0 (0: off).",
         "`log.per_sample_keys` names ['rm_scores'] more than once.",
     ]
+
+
+def test_wandb_gets_the_samples_as_a_table(tmp_path):
+    base = BaseExperimentConfig(experiment_name="table", total_train_steps=1, tensorboard=False,
+                                wandb=WandbConfig(mode=WandbMode.offline))
+    logger = MetricsLogger(tmp_path, base, first_step=0)
+    logger.log(1, {"reward/task_mean": 1.0})
+    logger.log_samples(1, [{"query_id": "q0", "prompt": "1+1=", "response": "2", "reward": 1.0}])
+    logger.finish()
+    (table,) = tmp_path.glob("wandb/offline-run-*/files/media/table/samples_1_*.table.json")
+    assert json.loads(table.read_text()) == {
+        "columns": ["query_id", "prompt", "response", "reward"], "data": [["q0", "1+1=", "2", 1.0]]}
