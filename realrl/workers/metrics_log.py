@@ -25,11 +25,11 @@ logger = logging.getLogger(__name__)
 SUMMARY_KEYS = (
     ("reward/task_mean", "reward"),
     ("actor_train/kl_to_ref", "kl"),
-    ("actor_train/clip_fraction", "clip"),
     ("actor_gen/response_length", "len"),
     ("genDefault/response_length", "len"),
     ("trainDefault/loss", "loss"),
     ("actor_train/loss", "loss"),
+    ("actor_train/clip_fraction", "clip"),
 )
 PLOT_KEYS = ("reward/task_mean", "actor_train/kl_to_ref", "actor_gen/response_length",
              "timing/step_s")
