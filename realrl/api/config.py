@@ -79,6 +79,34 @@ class WandbConfig:
 
 
 @dataclass
+class LogConfig:
+    per_sample_keys: list[str] = help_field(
+        [],
+        "Keys of the step's batch to log each step as `batch/<key>/mean`, `/std`, `/min` and "
+        "`/max` over every value (e.g. `[rm_scores]`, a custom MFC's per-response scores); a key "
+        "that no MFC and no dataset produces is an error at launch, which lists the valid ones.",
+    )
+    samples_per_step: int = help_field(
+        4,
+        "Generated responses logged per logged step (prompt, response, reward and every other "
+        "per-response value) to samples.jsonl, wandb (a Table) and tensorboard (text); 0: off.",
+    )
+    samples_every_steps: int = help_field(
+        10, "Log samples on step 1 and on every step divisible by this; 0: off."
+    )
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = [f"`{prefix}.{name}={getattr(self, name)}` must be >= 0 (0: off)."
+                    for name in ("samples_per_step", "samples_every_steps")
+                    if getattr(self, name) < 0]
+        repeated = sorted({key for key in self.per_sample_keys
+                           if self.per_sample_keys.count(key) > 1})
+        if repeated:
+            problems.append(f"`{prefix}.per_sample_keys` names {repeated} more than once.")
+        return problems
+
+
+@dataclass
 class SlurmConfig:
     partition: str | None = help_field(None, "sbatch --partition.")
     account: str | None = help_field(None, "sbatch --account.")
@@ -182,7 +210,13 @@ class BaseExperimentConfig:
         "save_freq_steps)."
     )
     wandb: WandbConfig = help_field(WandbConfig(), "Weights & Biases logging.")
-    tensorboard: bool = help_field(True, "Write tensorboard event files when tensorboard is installed.")
+    tensorboard: bool = help_field(
+        True, "Write tensorboard event files into <run_dir>/tensorboard/ (needs the `tensorboard` "
+        "package, a dependency of realrl; a run without it warns once and goes on)."
+    )
+    log: LogConfig = help_field(
+        LogConfig(), "What each step logs besides the MFCs' statistics (docs/metrics.md)."
+    )
     slurm: SlurmConfig = help_field(SlurmConfig(), "SLURM options, used with mode=slurm.")
 
     def validate(self) -> list[str]:
@@ -206,6 +240,7 @@ class BaseExperimentConfig:
         for name, value in (("experiment_name", self.experiment_name), ("trial_name", self.trial_name)):
             if "/" in value or value in (".", ".."):
                 problems.append(f"`{name}={value}` must be a plain name without '/'.")
+        problems += self.log.validate("log")
         return problems
 
     @property

@@ -1,4 +1,10 @@
-"""gen: sample completions for a prompt set and write them to JSONL."""
+"""gen: sample completions for a prompt set into one JSONL file.
+
+`genDefault` samples `n_samples` completions per prompt on every data-parallel rank and returns
+them to the master, which writes all of them to `<run_dir>/generated.jsonl`, one line
+`{"query_id", "prompt", "completion", "no_eos", "step"}` per completion, and at the end of the
+run puts the lines in the order of the prompts in the dataset.
+"""
 
 from __future__ import annotations
 
@@ -19,17 +25,24 @@ from realrl.api.registry import register_experiment
 from realrl.api.rl_config import GenerationHyperparameters
 from realrl.interfaces.configs import GenerationConfig
 
+# What genDefault returns to the master (`realrl.interfaces.generation`).
+OUTPUT_KEYS = ("packed_input_ids", "prompt_mask", "seq_no_eos_mask")
+
 
 @register_experiment("gen")
 @dataclass
 class GenerationExperimentConfig(BaseExperimentConfig):
-    """Generate completions for {"prompt", ...} records into <run_dir>/generated.rank<N>.jsonl."""
+    """Generate completions for {"prompt", ...} records into one <run_dir>/generated.jsonl."""
 
     model: ModelRoleConfig = help_field(ModelRoleConfig(), "The model to sample from.")
     dataset: DatasetConfig = help_field(DatasetConfig(batch_size=16), "Prompts.")
     gen: GenerationHyperparameters = help_field(GenerationHyperparameters(), "Generation.")
     n_samples: int = help_field(1, "Completions per prompt.")
-    total_train_steps: int = help_field(1, "Batches to generate for (one pass: ceil(N / batch)).")
+    total_train_steps: int = help_field(
+        1, "Batches to generate for. Batches are drawn shuffled and whole (a remainder of "
+        "N % dataset.batch_size prompts waits for the next epoch), so N / dataset.batch_size "
+        "batches cover every prompt once when the batch size divides N."
+    )
     genDefault: MFCConfig = help_field(MFCConfig(), "MFC genDefault.")
 
     def validate(self) -> list[str]:
@@ -42,7 +55,8 @@ class GenerationExperimentConfig(BaseExperimentConfig):
         generate = MFCDef(
             name="genDefault", model_role="default", kind=MFCKind.generate, interface="generation",
             interface_config=GenerationConfig(generation=self.gen, n_samples=self.n_samples),
-            input_keys=("packed_prompts",), batch_size=self.dataset.batch_size,
+            input_keys=("packed_prompts",), output_keys=OUTPUT_KEYS,
+            batch_size=self.dataset.batch_size,
             microbatch=self.genDefault.microbatch_spec(),
         )
         models = {"default": ModelSpec("default", ModelKind.lm, self.model)}

@@ -1,41 +1,25 @@
-"""Offline sampling (the ``gen`` experiment's ``genDefault``): completions to JSON lines.
+"""Offline sampling (the ``gen`` experiment's ``genDefault``): completions for the master.
 
-Each data-parallel rank appends its own file, ``<run_dir>/<stem>.rank<dp_rank>.jsonl`` with
-one line ``{"query_id", "prompt", "completion", "no_eos"}`` per completion, so ranks never
-write to the same file. ``run_dir`` is the worker's ``REALRL_RUN_DIR``.
+``generate`` returns, per prompt, its ``n_samples`` completions as a rollout (the keys
+``actor_gen`` writes: ``packed_input_ids`` prompt + completion tokens ``[total_tokens]``,
+``prompt_mask`` ``[total_tokens]`` True on prompt tokens, ``seq_no_eos_mask`` ``[num_seqs]``
+True where a completion hit ``max_new_tokens`` without EOS). The master, which knows the order of
+the prompts in the dataset, writes every completion of every rank into one file,
+``<run_dir>/<output_file>`` (``realrl.workers.samples_log.GeneratedFile``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 import time
-from pathlib import Path
 
-from realrl.api import environment
+import torch
+
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import require_engine, sampling_config, unsupported_call
 from realrl.interfaces.configs import GenerationConfig
 from realrl.models.generation import generate
-
-logger = logging.getLogger(__name__)
-
-
-
-def output_path(output_file: str, dp_rank: int) -> Path:
-    """Where this rank writes: ``output_file`` relative to the run directory, rank-suffixed."""
-    run_dir = os.environ.get(environment.RUN_DIR)
-    if not run_dir:
-        raise RuntimeError(
-            f"generation: ${environment.RUN_DIR} is not set, so there is no run directory to write "
-            f"{output_file!r} into; start the experiment through the launcher (or set it)"
-        )
-    relative = Path(output_file)
-    stem = relative.name.removesuffix(".jsonl")
-    return Path(run_dir) / relative.parent / f"{stem}.rank{dp_rank}.jsonl"
 
 
 class GenerationInterface:
@@ -48,7 +32,7 @@ class GenerationInterface:
         return 0
 
     def generate(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
-        """Sample ``n_samples`` completions per prompt and append them to this rank's file."""
+        """Sample ``n_samples`` completions per prompt; one sample per prompt holds them all."""
         engine = require_engine(engine, "generation", "generate")
         n = self.config.n_samples
         started = time.perf_counter()
@@ -60,38 +44,27 @@ class GenerationInterface:
             engine.generator,
         )
         elapsed_s = time.perf_counter() - started
-        tokenizer = engine.tokenizer
-        eos_ids = set(engine.module.config.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
-        prompts = data.data["packed_prompts"].split(data.seqlens_of("packed_prompts"))
-        sequences = output.packed_input_ids.cpu().split(
-            (output.cu_seqlens[1:] - output.cu_seqlens[:-1]).tolist()
+        seq_lens = (output.cu_seqlens[1:] - output.cu_seqlens[:-1]).long().cpu()  # [num_seqs]
+        prompt_lens = output.prompt_lens.long().cpu()  # [num_seqs]
+        seq_of_token = torch.repeat_interleave(torch.arange(seq_lens.numel()), seq_lens)
+        position = torch.arange(seq_of_token.numel()) - (seq_lens.cumsum(0) - seq_lens)[seq_of_token]
+        seqlens = [seq_lens[i * n : (i + 1) * n].tolist() for i in range(data.bs)]
+        rollout = SequenceSample.from_tensors(
+            ids=data.ids,
+            seqlens={"packed_input_ids": seqlens, "prompt_mask": seqlens,
+                     "seq_no_eos_mask": [[1] * n for _ in range(data.bs)]},
+            data={"packed_input_ids": output.packed_input_ids.cpu().long(),
+                  "prompt_mask": position < prompt_lens[seq_of_token],
+                  "seq_no_eos_mask": output.no_eos.cpu().bool()},
+            metadata=data.metadata,
         )
-        no_eos = output.no_eos.cpu().tolist()
-        lines = []
-        for index, tokens in enumerate(sequences):
-            sample = index // n
-            response = tokens[len(prompts[sample]) :].tolist()
-            if not no_eos[index] and response and response[-1] in eos_ids:
-                response = response[:-1]
-            record = {
-                "query_id": data.ids[sample],
-                "prompt": tokenizer.decode(prompts[sample].tolist(), skip_special_tokens=True),
-                "completion": tokenizer.decode(response, skip_special_tokens=True),
-                "no_eos": bool(no_eos[index]),
-            }
-            lines.append(json.dumps(record) + "\n")
-        path = output_path(self.config.output_file, engine.parallel.dp_rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a", encoding="utf-8") as file:
-            file.writelines(lines)
         response_lens = output.response_lens.float()
         stats = {
             "response_length": float(response_lens.mean()),
             "no_eos_fraction": float(output.no_eos.float().mean()),
             "generated_tokens_per_s": float(response_lens.sum()) / max(elapsed_s, 1e-9),
-            "completions_written": float(len(lines)),
         }
-        return MFCResult(data=None, stats=stats)
+        return MFCResult(data=rollout, stats=stats)
 
     def inference(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
         raise unsupported_call("generation", "inference", "generate")

@@ -6,6 +6,7 @@ Everything a run needs is decided here, in the launcher process, before any proc
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from dataclasses import dataclass
@@ -113,6 +114,19 @@ def pipeline_problems(graph: DataflowGraph, allocations: dict[str, MFCAllocation
     return problems
 
 
+def logged_key_problems(config: BaseExperimentConfig, graph: DataflowGraph) -> list[str]:
+    """`log.per_sample_keys` that no MFC and no dataset produces, each with the valid keys."""
+    valid = sorted(graph.producers)
+    problems = []
+    for key in config.log.per_sample_keys:
+        if key not in graph.producers:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            problems.append(f"`log.per_sample_keys` names `{key}`, which no MFC and no dataset "
+                            f"of this graph produces{hint}; its keys: {', '.join(valid)}.")
+    return problems
+
+
 def _mesh_text(start: int, stop: int) -> str:
     """Data parallel over workers start..stop-1, e.g. 'd1@0' or 'd2@2-3'."""
     return f"d{stop - start}@{start}" + (f"-{stop - 1}" if stop - start > 1 else "")
@@ -204,6 +218,7 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
             problems += validate_model_divisibility(allocation, **shape)
     if config.pipeline_rollout:
         problems += pipeline_problems(graph, allocations)
+    problems += logged_key_problems(config, graph)
     if problems:
         raise ConfigError(problems)
     workers = []

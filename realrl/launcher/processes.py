@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from realrl.api import environment
+from realrl.launcher.console import Console
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +119,7 @@ def _parent_death_signal_setter(parent_pid: int):
 class _RunningProcess:
     """One child, its log file and the thread that copies its output."""
 
-    def __init__(
-        self, spec: ProcessSpec, console: IO[str], console_lock: threading.Lock, tail_lines: int
-    ):
+    def __init__(self, spec: ProcessSpec, console: Console, tail_lines: int):
         self.spec = spec
         self.log_tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +150,6 @@ class _RunningProcess:
                 f"cannot start process {spec.name!r} ({spec.argv}): {error}"
             ) from None
         self._console = console
-        self._console_lock = console_lock
         self._reader = threading.Thread(
             target=self._copy_output, name=f"log {spec.name}", daemon=True
         )
@@ -165,12 +163,7 @@ class _RunningProcess:
             self.log_tail.append(line)
             self._log_file.write(line + "\n")
             self._log_file.flush()
-            with self._console_lock:
-                try:
-                    self._console.write(f"{prefix}{line}\n")
-                    self._console.flush()
-                except (OSError, ValueError):  # console gone: keep draining into the log
-                    pass
+            self._console.write_line(prefix, line)
 
     def signal_group(self, signal_number: int) -> None:
         try:
@@ -204,14 +197,15 @@ class ProcessSupervisor:
         grace_s: float = DEFAULT_GRACE_S,
         log_tail_lines: int = DEFAULT_LOG_TAIL_LINES,
     ):
-        """`console` defaults to sys.stdout; a failure report shows `log_tail_lines` lines."""
+        """`console` defaults to sys.stdout (on a terminal the master's progress line is
+        redrawn in place, see `realrl.launcher.console`); a failure report shows
+        `log_tail_lines` lines."""
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"process names must be unique, got {names}")
         self.specs = list(specs)
         self.grace_s = grace_s
-        self._console = sys.stdout if console is None else console
-        self._console_lock = threading.Lock()
+        self._console = Console(sys.stdout if console is None else console)
         self._log_tail_lines = log_tail_lines
         self._running: list[_RunningProcess] = []
         self._stopped = False
@@ -224,9 +218,7 @@ class ProcessSupervisor:
         """Spawn every process. If one cannot be started, the ones already started are stopped."""
         try:
             for spec in self.specs:
-                process = _RunningProcess(
-                    spec, self._console, self._console_lock, self._log_tail_lines
-                )
+                process = _RunningProcess(spec, self._console, self._log_tail_lines)
                 self._running.append(process)
                 logger.info("started %s (pid %d): %s", spec.name, process.popen.pid, spec.argv)
         except BaseException:
@@ -263,6 +255,7 @@ class ProcessSupervisor:
                 signal.signal(signal.SIGTERM, previous_handler)
 
     def _fail(self, process: _RunningProcess, returncode: int) -> ProcessFailure:
+        self._console.end_progress()
         logger.error("%s exited with %d; stopping all processes", process.spec.name, returncode)
         self.stop()
         return ProcessFailure(
@@ -281,6 +274,7 @@ class ProcessSupervisor:
         if in_main_thread:  # a second Ctrl-C must not cut the cleanup short
             blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
+            self._console.end_progress()  # the reports that follow start on a line of their own
             self._terminate_then_kill(self.grace_s if grace_s is None else grace_s)
             self._stopped = True
         finally:

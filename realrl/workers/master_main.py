@@ -1,6 +1,7 @@
 """The master process: publish the plan, wait for the workers, then run the step loop.
 
-One step = one batch from the dataset through the whole graph. Around it: metrics, periodic
+One step = one batch from the dataset through the whole graph. Around it: metrics (the MFCs'
+statistics, and what `realrl.workers.samples_log` reads from the step's batch), periodic
 checkpoints (every trained model in Hugging Face format plus optimizer, RNG and data
 position), and recovery from the last complete checkpoint with `recover_mode=auto`.
 """
@@ -26,6 +27,14 @@ from realrl.workers.metrics_log import MetricsLogger
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import RunPlan
 from realrl.workers.run_secret import load_run_secret
+from realrl.workers.samples_log import (
+    GeneratedFile,
+    batch_metrics,
+    generates_rollouts,
+    logs_samples_at,
+    sample_rows,
+    train_reward_key,
+)
 from realrl.workers.transport import AsyncClient
 
 logger = logging.getLogger(__name__)
@@ -38,8 +47,6 @@ def step_metrics(result: StepResult, step_seconds: float, rollout_wait_s: float 
     step's compute is then that wait plus its train calls, and the rollout's own compute
     (overlapped) is not counted."""
     metrics = dict(result.stats)
-    if "rew_inf/task_mean" in metrics:
-        metrics["reward/task_mean"] = metrics["rew_inf/task_mean"]
     for name, seconds in result.timing.items():
         metrics[f"timing/{name}"] = seconds
     compute = sum(result.compute.values())
@@ -64,7 +71,8 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) ->
     secret = load_run_secret(run_dir)
     clients = {rank: AsyncClient(address, secret) for rank, address in addresses.items()}
     master = Master(plan, clients)
-    data = DataSource(plan, load_tokenizer(_tokenizer_path(plan)))
+    tokenizer = load_tokenizer(_tokenizer_path(plan))
+    data = DataSource(plan, tokenizer)
     first_step = 0
     if plan.base.recover_mode != RecoverMode.disabled:
         checkpoint = recovery.latest_complete_checkpoint(run_dir)
@@ -74,12 +82,22 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) ->
             first_step = await recovery.restore(master, data, checkpoint, plan)
             logger.info("resumed from %s at step %d", checkpoint, first_step)
     metrics_logger = MetricsLogger(run_dir, plan.base, first_step)
-    train_mfcs = plan.train_mfcs()
+    generated_files = GeneratedFile.for_mfcs(plan.mfcs, run_dir, data.dataset, first_step,
+                                             tokenizer)
+    train_mfcs, reward_key, log = plan.train_mfcs(), train_reward_key(plan.mfcs), plan.base.log
+    sample_rollouts = generates_rollouts(plan.mfcs)
     heap = HeapFreezer()
 
     async def end_of_step(step: int, result: StepResult, seconds: float,
                           rollout_wait_s: float | None = None) -> None:
-        metrics_logger.log(step + 1, step_metrics(result, seconds, rollout_wait_s, train_mfcs))
+        metrics = step_metrics(result, seconds, rollout_wait_s, train_mfcs)
+        metrics |= batch_metrics(result.data, reward_key, log.per_sample_keys)
+        metrics_logger.log(step + 1, metrics)
+        if sample_rollouts and logs_samples_at(step + 1, log.samples_every_steps):
+            metrics_logger.log_samples(step + 1, sample_rows(
+                result.data, tokenizer, log.samples_per_step, reward_key))
+        for generated in generated_files:
+            generated.append(step + 1, result.data)
         if saves_after(plan.base, step + 1):
             await recovery.save(master, data, run_dir, step + 1)
         heap.between_requests(warmed_up=step == first_step)
@@ -96,6 +114,8 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) ->
     finally:
         heap.close()
         metrics_logger.finish()
+        for generated in generated_files:
+            generated.finish()
     await master.broadcast("exit", {})
     for client in clients.values():
         client.close()

@@ -1,11 +1,17 @@
-"""What a user sees of a run: progress bar, a compact line per step, metrics.jsonl, wandb,
-tensorboard, and a PNG plot of the main curves at the end. See docs/metrics.md for the keys."""
+"""What a user sees of a run: a progress line per step, metrics.jsonl, samples.jsonl, wandb,
+tensorboard, and a PNG plot of the main curves at the end. See docs/metrics.md for the keys.
+
+The progress line (`progress_line`) starts with `step N/T | `: the launcher's console
+(`realrl.launcher.console`) recognises it by `parse_progress_line` and, on a terminal, redraws
+it in place as one short line; log files and non-terminal consoles get every line in full.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -14,17 +20,20 @@ from realrl.api.config import BaseExperimentConfig, WandbMode
 
 logger = logging.getLogger(__name__)
 
-# (metrics key, short label) shown in the per-step line when present.
+# (metrics key, short label) shown in the progress line when present, most important first:
+# a terminal shows the line cut to its width.
 SUMMARY_KEYS = (
     ("reward/task_mean", "reward"),
     ("actor_train/kl_to_ref", "kl"),
-    ("actor_train/clip_fraction", "clip"),
     ("actor_gen/response_length", "len"),
+    ("genDefault/response_length", "len"),
     ("trainDefault/loss", "loss"),
     ("actor_train/loss", "loss"),
+    ("actor_train/clip_fraction", "clip"),
 )
 PLOT_KEYS = ("reward/task_mean", "actor_train/kl_to_ref", "actor_gen/response_length",
              "timing/step_s")
+_PROGRESS = re.compile(r"^step (\d+)/(\d+) \| ")
 
 
 def _wandb_mode(mode: WandbMode) -> str:
@@ -34,30 +43,60 @@ def _wandb_mode(mode: WandbMode) -> str:
     return "online" if has_key else "offline"
 
 
+def format_duration(seconds: float | None) -> str:
+    """`?` (not known yet), `42s`, `6m05s` or `2h03m`."""
+    if seconds is None:
+        return "?"
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def progress_line(step: int, total_steps: int, eta_s: float | None, metrics: dict[str, float],
+                  per_sample_keys: list[str] = ()) -> str:
+    """`step 4/20 | eta 11s | reward 0.25 | rm_scores 0.31 | kl ... | 0.69s/step | actor_gen
+    0.02 ...`: the summary first, then the seconds of every MFC."""
+    parts = [f"step {step}/{total_steps}", f"eta {format_duration(eta_s)}"]
+    shown = set()
+    summary = list(SUMMARY_KEYS[:1]) + [(f"batch/{key}/mean", key) for key in per_sample_keys]
+    for key, label in summary + list(SUMMARY_KEYS[1:]):
+        if key in metrics and label not in shown:
+            parts.append(f"{label} {metrics[key]:.4g}")
+            shown.add(label)
+    parts.append(f"{metrics.get('timing/step_s', 0.0):.2f}s/step")
+    mfc_times = [f"{key.split('/', 1)[1]} {value:.2f}" for key, value in metrics.items()
+                 if key.startswith("timing/") and key != "timing/step_s" and "/" not in
+                 key.split("/", 1)[1]]
+    if mfc_times:
+        parts.append(" ".join(mfc_times))
+    return " | ".join(parts)
+
+
+def parse_progress_line(line: str) -> tuple[int, int] | None:
+    """(step, total steps) of a `progress_line`, None for any other line."""
+    match = _PROGRESS.match(line)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, base: BaseExperimentConfig, first_step: int):
         self.run_dir = run_dir
         self.total_steps = base.total_train_steps
+        self.per_sample_keys = list(base.log.per_sample_keys)
         self.path = run_dir / "metrics.jsonl"
-        self.started = time.perf_counter()
+        self.samples_path = run_dir / "samples.jsonl"
         self.first_step = first_step
-        self._drop_steps_after(first_step)
+        # The first step after a (re)start carries one-time costs (torch.compile, worker pools,
+        # first allocations: 6.2 s against 0.1 s per later step with gen.compile=true), so the
+        # ETA is timed from the end of that step: (time, step) of the first line logged.
+        self._first_logged: tuple[float, int] | None = None
+        for path in (self.path, self.samples_path):
+            drop_steps_after(path, first_step)
         self._wandb = self._start_wandb(base)
         self._tensorboard = self._start_tensorboard(base)
-
-    def _drop_steps_after(self, step: int) -> None:
-        """A resumed run re-does the steps after its checkpoint: forget what the interrupted
-        attempt logged for them, so that metrics.jsonl holds each step once."""
-        if not self.path.is_file():
-            return
-        lines = self.path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
-        if len(kept) != len(lines):
-            logger.info("metrics.jsonl: dropping %d record(s) after step %d (the interrupted "
-                        "attempt's)", len(lines) - len(kept), step)
-            temporary = self.path.with_suffix(".jsonl.tmp")
-            temporary.write_text("".join(kept))
-            temporary.replace(self.path)
 
     def _start_wandb(self, base: BaseExperimentConfig):
         mode = _wandb_mode(base.wandb.mode)
@@ -82,6 +121,11 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
+            logger.warning(
+                "tensorboard=true but the `tensorboard` package is not installed, so no "
+                "tensorboard/ directory is written; `pip install tensorboard` (a dependency of "
+                "realrl: `pip install -e .` installs it), or set tensorboard=false to silence this"
+            )
             return None
         return SummaryWriter(str(self.run_dir / "tensorboard"))
 
@@ -94,29 +138,37 @@ class MetricsLogger:
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 self._tensorboard.add_scalar(key, value, step)
-        sys.stdout.write(self._line(step, metrics) + "\n")
+        line = progress_line(step, self.total_steps, self.eta_s(step), metrics,
+                             self.per_sample_keys)
+        sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
-    def _line(self, step: int, metrics: dict[str, float]) -> str:
-        done = step - self.first_step
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / max(done, 1) * (self.total_steps - step)
-        width = 20
-        filled = int(width * step / max(self.total_steps, 1))
-        parts = [f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total_steps}",
-                 f"eta {eta:5.0f}s"]
-        shown = set()
-        for key, label in SUMMARY_KEYS:
-            if key in metrics and label not in shown:
-                parts.append(f"{label} {metrics[key]:.4g}")
-                shown.add(label)
-        parts.append(f"step {metrics.get('timing/step_s', 0.0):.2f}s")
-        mfc_times = [f"{key.split('/', 1)[1]} {value:.2f}" for key, value in metrics.items()
-                     if key.startswith("timing/") and key != "timing/step_s" and "/" not in
-                     key.split("/", 1)[1]]
-        if mfc_times:
-            parts.append("(" + ", ".join(mfc_times) + ")")
-        return " | ".join(parts)
+    def eta_s(self, step: int, now: float | None = None) -> float | None:
+        """Seconds left after `step`, at the mean pace of the steps since the first one of this
+        (re)start; None at that first step, whose pace is no guide."""
+        now = time.perf_counter() if now is None else now
+        if self._first_logged is None:
+            self._first_logged = (now, step)
+        started, first = self._first_logged
+        if step == first:
+            return None if step < self.total_steps else 0.0
+        return (now - started) / (step - first) * (self.total_steps - step)
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """A few generated samples of `step` (`realrl.workers.samples_log.sample_rows`)."""
+        if not rows:
+            return
+        with self.samples_path.open("a", encoding="utf-8") as stream:
+            stream.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        if self._wandb is not None:
+            import wandb
+
+            columns = list(dict.fromkeys(column for row in rows for column in row))
+            table = wandb.Table(columns=columns,
+                                data=[[row.get(column) for column in columns] for row in rows])
+            self._wandb.log({"samples": table}, step=step)
+        if self._tensorboard is not None:
+            self._tensorboard.add_text("samples", samples_markdown(rows), step)
 
     def finish(self) -> None:
         if self._wandb is not None:
@@ -129,8 +181,39 @@ class MetricsLogger:
             logger.warning("could not plot metrics: %s", exc)
 
 
+def samples_markdown(rows: list[dict]) -> str:
+    """Samples as Markdown for tensorboard's text tab: the scalars, then prompt and response as
+    indented (verbatim) blocks."""
+
+    def verbatim(text: str) -> str:
+        return "\n".join(f"    {line}" for line in text.splitlines() or [""])
+
+    blocks = []
+    for row in rows:
+        scalars = " · ".join(f"**{key}** {value}" for key, value in row.items()
+                             if key not in ("prompt", "response"))
+        blocks.append(f"{scalars}\n\nprompt:\n\n{verbatim(row['prompt'])}\n\n"
+                      f"response:\n\n{verbatim(row['response'])}")
+    return "\n\n---\n\n".join(blocks)
+
+
+def drop_steps_after(path: Path, step: int) -> None:
+    """A resumed run re-does the steps after its checkpoint: forget what the interrupted attempt
+    logged for them into `path` (metrics.jsonl, samples.jsonl), so that each step is there once."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    if len(kept) != len(lines):
+        logger.info("%s: dropping %d record(s) after step %d (the interrupted attempt's)",
+                    path.name, len(lines) - len(kept), step)
+        temporary = path.with_suffix(".jsonl.tmp")
+        temporary.write_text("".join(kept))
+        temporary.replace(path)
+
+
 def _step_of(line: str) -> int | None:
-    """The step of one metrics.jsonl line; None for a line cut short by a killed process."""
+    """The step of one JSON line; None for a line cut short by a killed process."""
     try:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
@@ -142,13 +225,17 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: Path, png_path: Path) -> None:
+    """The main curves, plus the mean of every `log.per_sample_keys` key (`batch/<key>/mean`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
-    keys = [key for key in PLOT_KEYS if any(key in r for r in records)]
+    logged = sorted({key for r in records for key in r
+                     if key.startswith("batch/") and key.endswith("/mean")})
+    keys = [key for key in PLOT_KEYS[:1] + tuple(logged) + PLOT_KEYS[1:]
+            if any(key in r for r in records)]
     if not records or not keys:
         return
     figure, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True)

@@ -149,7 +149,8 @@ class ModelWorker:
     def _run_mfc(self, message: Message) -> Message:
         mfc = next(m for m in self.plan.mfcs if m.name == message.header["mfc"])
         data = SequenceSample.from_wire(message.header["data"], message.tensors)
-        data = data.rename(mfc.input_key_remap) if mfc.input_key_remap else data
+        remap = {key: name for key, name in mfc.input_key_remap.items() if key in data.keys}
+        data = data.rename(remap) if remap else data  # a forward ahead has only forward_keys
         interface = self._interface(mfc)
         engine = self._engine_for(mfc)
         method = {MFCKind.generate: interface.generate, MFCKind.inference: interface.inference,

@@ -3,7 +3,7 @@
 The user files are written here in the documented formats: `{"prompt", "answer"}` for SFT,
 `{"prompt", "pos_answers", "neg_answers"}` for RW and DPO, `{"prompt", "answer"}` prompts for
 gen. Training experiments must log every step and leave a Hugging Face checkpoint of the
-trained model; gen must write its completions as JSONL.
+trained model; gen must write all its completions into one JSONL file, in prompt order.
 """
 
 from __future__ import annotations
@@ -79,18 +79,23 @@ def test_experiment_runs_end_to_end_through_the_cli(
         assert (checkpoint / "config.json").is_file() and (checkpoint / "tokenizer.json").is_file()
         assert list(checkpoint.glob("*.safetensors")), sorted(checkpoint.iterdir())
     else:
-        check_generated_jsonl(run_dir, expected_lines=STEPS * BATCH_SIZE * 2)
+        prompts = ([json.loads(line)["prompt"] for line in data.read_text().splitlines()]
+                   if source == "user_jsonl" else None)
+        check_generated_jsonl(run_dir, STEPS * BATCH_SIZE, prompts)
 
 
-def check_generated_jsonl(run_dir, expected_lines: int) -> None:
-    outputs = sorted(run_dir.glob("generated*.jsonl"))
-    assert outputs, f"gen wrote no JSONL into {sorted(p.name for p in run_dir.iterdir())}"
-    lines = [json.loads(line) for path in outputs for line in path.read_text().splitlines()]
-    assert len(lines) == expected_lines
+def check_generated_jsonl(run_dir, num_prompts: int, dataset_prompts: list[str] | None) -> None:
+    """One file with both completions of every prompt, prompts in the dataset's order (a user
+    file of 8 prompts in 2 batches of 4 is one whole pass)."""
+    outputs = sorted(path.name for path in run_dir.glob("generated*"))
+    assert outputs == ["generated.jsonl"], outputs
+    lines = [json.loads(line) for line in (run_dir / "generated.jsonl").read_text().splitlines()]
+    assert len(lines) == num_prompts * 2
     for line in lines:
         assert isinstance(line["prompt"], str) and line["prompt"]
         assert isinstance(line["completion"], str)
-    per_prompt = {}
-    for line in lines:
-        per_prompt.setdefault(line["query_id"], []).append(line)
-    assert all(len(samples) == 2 for samples in per_prompt.values())
+    query_ids = [line["query_id"] for line in lines]
+    assert query_ids[::2] == query_ids[1::2], "a prompt's completions are together"
+    assert len(set(query_ids)) == num_prompts
+    if dataset_prompts is not None:
+        assert [line["prompt"] for line in lines[::2]] == dataset_prompts

@@ -1,8 +1,9 @@
 """ppo-math through the real CLI on 2 CPU workers, with several allocations.
 
 Checks what a user is promised: exit code 0 and a run directory with the resolved config, the
-plan, the graph, per-process logs, one metrics line per step, a plot, and a final checkpoint
-that plain `transformers` loads with the same logits as realrl's own loader.
+plan, the graph, per-process logs, one metrics line per step, a few decoded samples, a plot,
+and a final checkpoint that plain `transformers` loads with the same logits as realrl's own
+loader.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def test_ppo_math_runs_two_steps_on_two_workers(allocation, tiny_model, cli_env,
     for record in metrics:
         assert 0.0 <= record["reward/task_mean"] <= 1.0
         assert record["timing/step_s"] > 0.0
+        assert record["reward/task_mean"] == record["rew_inf/task_mean"]  # no rollout filter
+    # Not a terminal: every progress line in full, as in logs/master.log.
+    progress = [line for line in result.stdout.splitlines() if line.startswith("[master] step ")]
+    assert [line.split(" | ")[0] for line in progress] == ["[master] step 1/2",
+                                                           "[master] step 2/2"]
+    assert all(line.removeprefix("[master] ") in (run_dir / "logs/master.log").read_text()
+               for line in progress)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [sample["step"] for sample in samples] == [1] * 4  # log.samples_* defaults: 4 on step 1
+    for sample in samples:
+        assert {"query_id", "prompt", "response", "reward", "answer"} <= set(sample)
+        assert "=" in sample["prompt"] and 0.0 <= sample["reward"] <= 1.0
 
     disables_critic = "ppo.disable_value=true" in allocation
     checkpoint = run_dir / "checkpoints" / "step000002"

@@ -1,5 +1,3 @@
-import json
-
 import pytest
 from conftest import build_model, make_engine, prompt_batch
 
@@ -11,44 +9,30 @@ from realrl.interfaces.generation import GenerationInterface
 from realrl.interfaces.registry import INTERFACES, make_interface
 
 
-def test_generation_appends_one_json_line_per_completion_to_the_rank_file(
-    tokenizer, tmp_path, monkeypatch
-):
-    monkeypatch.setenv("REALRL_RUN_DIR", str(tmp_path))
+def test_generation_returns_every_completion_to_the_master_as_a_rollout(tokenizer):
     engine = make_engine(
         build_model(len(tokenizer)),
         tokenizer,
         lr=None,
         parallel=ParallelContext(dp_rank=1, dp_size=2),
     )
-    config = GenerationConfig(
-        generation=GenerationHyperparameters(max_new_tokens=5),
-        n_samples=2,
-        output_file="samples.jsonl",
-    )
-    interface = GenerationInterface(config)
-    prompts = prompt_batch(tokenizer, ["1+2=", "33*4="])
-    result = interface.generate(engine, prompts, MicroBatchSpec())
-    interface.generate(engine, prompts, MicroBatchSpec())
-    assert result.data is None and result.stats["completions_written"] == 4
-    lines = (tmp_path / "samples.rank1.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    assert len(records) == 8  # 2 calls x 2 prompts x 2 samples, appended
-    assert [r["query_id"] for r in records[:4]] == ["q0", "q0", "q1", "q1"]
-    assert [r["prompt"] for r in records[:4]] == ["1+2=", "1+2=", "33*4=", "33*4="]
-    for record in records:
-        assert set(record) == {"query_id", "prompt", "completion", "no_eos"}
-        assert "<eos>" not in record["completion"]
-        assert len(record["completion"]) <= 5  # one character per token, EOS dropped
+    config = GenerationConfig(generation=GenerationHyperparameters(max_new_tokens=5), n_samples=2)
+    prompts = prompt_batch(tokenizer, ["1+2=", "33*4="], metadata={"answer": ["3", "132"]})
+    data = GenerationInterface(config).generate(engine, prompts, MicroBatchSpec()).data
 
-
-def test_generation_without_a_run_directory_says_how_to_fix_it(tokenizer, monkeypatch):
-    monkeypatch.delenv("REALRL_RUN_DIR", raising=False)
-    engine = make_engine(build_model(len(tokenizer)), tokenizer, lr=None)
-    with pytest.raises(RuntimeError, match="REALRL_RUN_DIR"):
-        GenerationInterface(GenerationConfig()).generate(
-            engine, prompt_batch(tokenizer, ["1+2="]), MicroBatchSpec()
-        )
+    assert data.ids == ["q0", "q1"] and data.metadata == {"answer": ["3", "132"]}
+    assert data.keys == {"packed_input_ids", "prompt_mask", "seq_no_eos_mask"}
+    assert [len(lengths) for lengths in data.seqlens["packed_input_ids"]] == [2, 2]
+    sequences = data.data["packed_input_ids"].split(data.seqlens_of("packed_input_ids"))
+    masks = data.data["prompt_mask"].split(data.seqlens_of("prompt_mask"))
+    no_eos = data.data["seq_no_eos_mask"].tolist()
+    for index, (tokens, in_prompt) in enumerate(zip(sequences, masks)):
+        prompt = tokenizer.encode(["1+2=", "33*4="][index // 2], add_special_tokens=True)
+        assert tokens[: len(prompt)].tolist() == prompt  # the prompt, then the completion
+        assert in_prompt.tolist() == [True] * len(prompt) + [False] * (len(tokens) - len(prompt))
+        response = tokens[len(prompt):].tolist()
+        assert 1 <= len(response) <= 5
+        assert (response[-1] == tokenizer.eos_token_id) == (not no_eos[index])
 
 
 def test_registry_builds_every_configured_interface_from_its_config():
