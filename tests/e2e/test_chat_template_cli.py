@@ -40,14 +40,17 @@ def test_gen_feeds_the_model_its_prompts_as_chat_turns(chat_model, cli_env, tmp_
     assert result.returncode == 0, describe(result)
     run_dir = tmp_path / "gen" / "trial0"
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
-    expected = {}
+    lines = [json.loads(line) for line in open(run_dir / "generated.jsonl")]
+    # generated.jsonl names each prompt by the record's own text, the join key with the input.
+    assert sorted(line["prompt"] for line in lines) == sorted(PROMPTS)
+    # samples.jsonl shows each prompt as the model saw it: the chat turn, control tokens kept.
+    seen = {}
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-        expected[tokenizer.decode(ids, skip_special_tokens=True)] = prompt
-    lines = [json.loads(line) for path in run_dir.glob("generated*.jsonl") for line in open(path)]
-    # The file holds each prompt as the model saw it, control tokens left out.
-    assert sorted(line["prompt"] for line in lines) == sorted(expected)
+        seen[tokenizer.decode(ids)] = prompt
+    samples = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
+    assert samples and all(sample["prompt"] in seen for sample in samples), samples
     log = (run_dir / "logs" / "master.log").read_text()
     assert "dataset.apply_chat_template=null, and the tokenizer has a chat template" in log
     assert "<|im_start|>user\\nWhat is" in log  # the first prompt, control tokens included
