@@ -14,10 +14,17 @@ import torch.distributed as dist
 
 
 def all_reduce_sum(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """SUM-all-reduce ``tensor`` in place over ``process_group``; a no-op when it is None."""
+    """A new tensor holding the SUM of ``tensor`` over ``process_group`` (None: a copy).
+
+    ``tensor`` itself keeps this rank's values, so a caller that reduces a local count and
+    later needs it again gets the local one, not the global one (`paired_rw` once divided its
+    accuracy by the data-parallel size that way). The copy costs nothing next to the
+    collective: the statistics reduced here hold a few numbers each.
+    """
+    total = tensor.clone()
     if process_group is not None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=process_group)
-    return tensor
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
+    return total
 
 
 def masked_moments(
@@ -34,8 +41,7 @@ def masked_moments(
     values = values.detach().double()
     weights = torch.ones_like(values) if mask is None else mask.to(values.dtype)
     totals = torch.stack([weights.sum(), (values * weights).sum(), (values**2 * weights).sum()])
-    all_reduce_sum(totals, process_group)
-    count, value_sum, square_sum = totals.unbind()
+    count, value_sum, square_sum = all_reduce_sum(totals, process_group).unbind()
     mean = value_sum / count.clamp(min=1)
     sum_sq_dev = (square_sum - count * mean**2).clamp(min=0)
     divisor = count - 1 if unbiased else count

@@ -162,7 +162,7 @@ class BaseExperimentConfig:
     output_root: str = help_field(
         "./runs", "Root of run directories: <output_root>/<experiment_name>/<trial_name>."
     )
-    seed: int = help_field(1, "Global random seed (data order, sampling, initialisation).")
+    seed: int = help_field(1, "Global random seed (data order, sampling).")
     mode: LaunchMode = help_field(LaunchMode.local, "Where to launch: local | slurm.")
     n_nodes: int = help_field(1, "Number of nodes.")
     n_devices_per_node: int = help_field(
@@ -273,19 +273,45 @@ def _type_name(annotation: Any) -> str:
 
 
 def iter_fields(config_class: type, prefix: str = "") -> Iterator[FieldInfo]:
-    """Every leaf field of a config dataclass tree, depth first, with its dotted key."""
+    """Every leaf field of a config dataclass tree, depth first, with its dotted key.
+
+    Each default is the value a run of `config_class` starts from: inside a section, the
+    section's own default instance wins over its class's defaults (ppo-math's
+    `actor: ModelRoleConfig = help_field(ModelRoleConfig(optimizer=OptimizerConfig(lr=2e-4)))`
+    shows `actor.optimizer.lr` = 2e-4, not `OptimizerConfig`'s 1e-5). A help text comes from
+    the field, or from the experiment's ``key_help: ClassVar[dict[str, str]]`` (dotted key ->
+    text) where a nested key means something else there than its section's class says (what
+    an empty `ref.path` loads); a `key_help` entry that names no key is an error.
+    """
+    key_help = dict(getattr(config_class, "key_help", {}))
+    for info in _iter_leaves(config_class, prefix, section_default=None):
+        help_text = key_help.pop(info.key, None)
+        yield info if help_text is None else dataclasses.replace(info, help=help_text)
+    if key_help:
+        raise ValueError(
+            f"{config_class.__name__}.key_help names unknown key(s) {sorted(key_help)}; use the "
+            "dotted keys that `--help` lists"
+        )
+
+
+def _iter_leaves(config_class: type, prefix: str, section_default: Any) -> Iterator[FieldInfo]:
+    """`iter_fields` without `key_help`; ``section_default`` is this section's default instance
+    (None at the top level, where the fields' own defaults apply)."""
     hints = typing.get_type_hints(config_class)
     for dataclass_field in dataclasses.fields(config_class):
         key = f"{prefix}{dataclass_field.name}"
         annotation = hints[dataclass_field.name]
-        if dataclass_field.default is not dataclasses.MISSING:
+        if section_default is not None:
+            default = getattr(section_default, dataclass_field.name)
+        elif dataclass_field.default is not dataclasses.MISSING:
             default = dataclass_field.default
         elif dataclass_field.default_factory is not dataclasses.MISSING:
             default = dataclass_field.default_factory()
         else:
             default = dataclasses.MISSING
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
-            yield from iter_fields(annotation, prefix=f"{key}.")
+            nested_default = None if default is dataclasses.MISSING else default
+            yield from _iter_leaves(annotation, f"{key}.", nested_default)
             continue
         if isinstance(default, enum.Enum):
             default = default.value

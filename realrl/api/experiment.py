@@ -13,6 +13,23 @@ from dataclasses import dataclass, field
 from realrl.api.config import help_field
 from realrl.api.dfg import DataflowGraph, MFCDef, MicroBatchSpec
 
+# What an empty `<role>.path` loads (`realrl.launcher.run.resolve_model_paths`): the class's
+# help names the common case; experiments whose roles start elsewhere say so in `key_help`.
+WARM_START_PATH_HELP = (
+    "Local Hugging Face checkpoint directory; empty: realrl's default actor, the built-in tiny "
+    "model after realrl's own `sft` on the built-in arithmetic data (the SFT warm start, "
+    "realrl/assets/default-actor-v1)."
+)
+FRESH_MODEL_PATH_HELP = (
+    "Local Hugging Face checkpoint directory; empty: the built-in tiny model (Qwen2 "
+    "architecture, character tokenizer) with random weights: training starts from scratch."
+)
+
+
+def linked_path_help(source_role: str, note: str = "") -> str:
+    """`<role>.path` help of a role whose empty path takes `<source_role>.path`."""
+    return f"Local Hugging Face checkpoint directory; empty: `{source_role}.path`{note}."
+
 
 class LRScheduler(str, enum.Enum):
     constant = "constant"
@@ -57,7 +74,7 @@ class ModelRoleConfig:
     """One model role: where its weights come from and how it is trained."""
 
     path: str = help_field(
-        "", "Local Hugging Face checkpoint directory; empty: the built-in default model."
+        "", WARM_START_PATH_HELP
     )
     dtype: DType = help_field(DType.float32, "Parameter dtype (never float16 on CPU).")
     offload: bool = help_field(
@@ -115,8 +132,14 @@ class DatasetKind(str, enum.Enum):
 class DatasetConfig:
     path: str = help_field("", "JSONL file; empty: the built-in synthetic arithmetic data.")
     batch_size: int = help_field(16, "Samples (prompts or pairs) per training step.")
-    max_prompt_len: int = help_field(256, "Prompts with more tokens are dropped (counted in the log).")
-    max_seq_len: int = help_field(512, "SFT/RW/DPO sequences are truncated to this many tokens.")
+    max_prompt_len: int = help_field(
+        256, "Prompt records (ppo-math, gen): prompts with more tokens are dropped (counted in the "
+        "log)."
+    )
+    max_seq_len: int = help_field(
+        512, "SFT and paired records (sft, rw, dpo): records with a longer sequence (prompt, "
+        "completion and EOS) are dropped (counted in the log)."
+    )
     builtin_train_size: int = help_field(
         4096, "With an empty path: how many built-in arithmetic problems form the training set."
     )

@@ -17,12 +17,14 @@ from typing import Any
 from realrl.datasets.jsonl import write_jsonl
 
 __all__ = [
+    "WRONG_ANSWER_KINDS",
     "as_paired_records",
     "as_sft_records",
     "make_arithmetic_records",
     "make_arithmetic_splits",
     "write_arithmetic_files",
     "write_jsonl",
+    "wrong_answer",
 ]
 
 _OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -98,16 +100,62 @@ def as_sft_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def _wrong_answer(answer: str, rng: random.Random) -> str:
-    """A plausible mistake: off by a small amount, or off by ten (a carry error)."""
-    delta = rng.choice([-10, -2, -1, 1, 2, 10])
-    return str(int(answer) + delta)
+def _sign_flipped(value: int, rng: random.Random) -> int | None:
+    return -value if value else None
+
+
+def _digit_count_changed(value: int, rng: random.Random) -> int | None:
+    """A digit dropped from the end or appended to it, as often as the answer allows."""
+    if value == 0:
+        return None
+    digits = str(abs(value))
+    if len(digits) > 1 and rng.random() < 0.5:
+        changed = int(digits[:-1])
+    else:
+        changed = int(digits + str(rng.randint(0, 9)))
+    return changed if value > 0 else -changed
+
+
+def _far_off(value: int, rng: random.Random) -> int:
+    return value + rng.choice([-1, 1]) * rng.randint(20, 60)
+
+
+def _near_miss(value: int, rng: random.Random) -> int:
+    """Off by a small amount, or by ten (a carry error): the mistakes a trained model makes."""
+    return value + rng.choice([-10, -2, -1, 1, 2, 10])
+
+
+# The kinds of wrong answer in the built-in preference pairs, drawn with equal probability.
+# An estimate of the result (its sign, its number of digits, its tens) catches the first three,
+# which a reward model warm-started from the SFT model learns within the default `rw` run
+# (held-out accuracy after its 200 steps: sign 0.97, digit count 0.95, far off 0.82). Near
+# misses need exact digit arithmetic, which that SFT model gets right only 35% of the time
+# itself: they stay near chance (0.56) in a default run, and give longer runs and DPO the
+# mistakes such a model makes. Pairs of near misses alone left `rw` at loss ln 2.
+WRONG_ANSWER_KINDS = {
+    "sign": _sign_flipped,
+    "digit_count": _digit_count_changed,
+    "far_off": _far_off,
+    "near_miss": _near_miss,
+}
+
+
+def wrong_answer(answer: str, rng: random.Random) -> tuple[str, str]:
+    """A wrong answer to a problem whose right ``answer`` is an integer, and its kind (a key
+    of `WRONG_ANSWER_KINDS`); kinds that cannot change this answer (the sign of 0) are redrawn."""
+    value = int(answer)
+    while True:
+        kind = rng.choice(list(WRONG_ANSWER_KINDS))
+        wrong = WRONG_ANSWER_KINDS[kind](value, rng)
+        if wrong is not None and wrong != value:
+            return str(wrong), kind
 
 
 def as_paired_records(
     records: list[dict[str, Any]], seed: int, num_pairs: int = 1
 ) -> list[dict[str, Any]]:
-    """Paired form for reward modelling / DPO: ``pos_answers`` right, ``neg_answers`` wrong."""
+    """Paired form for reward modelling / DPO: ``pos_answers`` right, ``neg_answers`` wrong
+    (see `WRONG_ANSWER_KINDS`)."""
     if num_pairs < 1:
         raise ValueError(f"num_pairs must be >= 1, got {num_pairs}")
     rng = random.Random(seed)
@@ -116,7 +164,7 @@ def as_paired_records(
             "query_id": r["query_id"],
             "prompt": r["prompt"],
             "pos_answers": [r["answer"]] * num_pairs,
-            "neg_answers": [_wrong_answer(r["answer"], rng) for _ in range(num_pairs)],
+            "neg_answers": [wrong_answer(r["answer"], rng)[0] for _ in range(num_pairs)],
         }
         for r in records
     ]

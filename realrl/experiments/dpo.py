@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from realrl.api.config import BaseExperimentConfig, help_field
 from realrl.api.dfg import MFCDef, MFCKind, OffloadHook
@@ -15,6 +16,7 @@ from realrl.api.experiment import (
     ModelRoleConfig,
     ModelSpec,
     OptimizerConfig,
+    linked_path_help,
 )
 from realrl.api.registry import register_experiment
 from realrl.interfaces.configs import DPOConfig, ReferenceConfig
@@ -26,6 +28,8 @@ PAIRED_KEYS = ("packed_input_ids", "prompt_lens")
 @dataclass
 class DPOExperimentConfig(BaseExperimentConfig):
     """Direct preference optimisation on {"prompt", "pos_answers", "neg_answers"} pairs."""
+
+    key_help: ClassVar[dict[str, str]] = {"ref.path": linked_path_help("actor")}
 
     actor: ModelRoleConfig = help_field(
         ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-4)), "The policy being trained."

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from realrl.api.config import BaseExperimentConfig, help_field
 from realrl.api.dfg import MFCDef, MFCKind, OffloadHook, ParamReallocHook
@@ -31,6 +32,7 @@ from realrl.api.experiment import (
     ModelSpec,
     OptimizerConfig,
     RolloutFilter,
+    linked_path_help,
 )
 from realrl.api.registry import register_experiment
 from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
@@ -56,6 +58,11 @@ class RewardSettings:
 @dataclass
 class PPOMathConfig(BaseExperimentConfig):
     """PPO-family RL (PPO, GRPO, Dr.GRPO, DAPO, RLOO, REINFORCE++, ReMax) on math/code prompts."""
+
+    key_help: ClassVar[dict[str, str]] = {
+        "critic.path": linked_path_help("actor", ", with a zero-initialised value head"),
+        "ref.path": linked_path_help("actor"),
+    }
 
     actor: ModelRoleConfig = help_field(
         ModelRoleConfig(optimizer=OptimizerConfig(lr=2e-4)), "The policy."

@@ -1,9 +1,15 @@
-"""rw: a paired reward model trained with the Bradley-Terry loss."""
+"""rw: a paired reward model trained with the Bradley-Terry loss.
+
+It starts, as InstructGPT's does (Ouyang et al. 2022, sec. 3.5), from the SFT model: with an
+empty `model.path`, realrl's SFT warm start of the built-in model, which knows enough about
+numbers to learn the built-in pairs' mistakes (`realrl.datasets.arithmetic.WRONG_ANSWER_KINDS`)
+in the default 200 steps (loss ln 2 -> ~0.3). From random weights the same run learns
+little more than the sign of the result (loss ~0.6).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from realrl.api.config import BaseExperimentConfig, help_field
 from realrl.api.dfg import MFCDef, MFCKind
@@ -28,13 +34,12 @@ PAIRED_KEYS = ("packed_input_ids", "prompt_lens")
 class RewardModelingConfig(BaseExperimentConfig):
     """Reward modelling on {"prompt", "pos_answers", "neg_answers"} pairs (Bradley-Terry)."""
 
-    default_model: ClassVar[str] = "fresh"  # empty model.path: the untrained built-in model
-
     model: ModelRoleConfig = help_field(
-        ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-4)),
-        "Initial weights; an LM checkpoint gets a fresh scalar value head.",
+        ModelRoleConfig(optimizer=OptimizerConfig(lr=3e-4)),
+        "Initial weights; an LM checkpoint gets a zero-initialised scalar value head.",
     )
-    dataset: DatasetConfig = help_field(DatasetConfig(batch_size=16), "Paired records.")
+    dataset: DatasetConfig = help_field(DatasetConfig(batch_size=64), "Paired records.")
+    total_train_steps: int = help_field(200, "Number of training steps (graph executions).")
     trainDefault: MFCConfig = help_field(MFCConfig(), "MFC trainDefault.")
 
     def validate(self) -> list[str]:

@@ -8,6 +8,7 @@ from typing import ClassVar
 from realrl.api.config import BaseExperimentConfig, help_field
 from realrl.api.dfg import MFCDef, MFCKind
 from realrl.api.experiment import (
+    FRESH_MODEL_PATH_HELP,
     DatasetConfig,
     DatasetKind,
     ExperimentSpec,
@@ -27,6 +28,7 @@ class SFTExperimentConfig(BaseExperimentConfig):
     """Supervised fine-tuning on {"prompt", "answer"} records (loss on answers only)."""
 
     default_model: ClassVar[str] = "fresh"  # empty model.path: the untrained built-in model
+    key_help: ClassVar[dict[str, str]] = {"model.path": FRESH_MODEL_PATH_HELP}
 
     model: ModelRoleConfig = help_field(
         ModelRoleConfig(optimizer=OptimizerConfig(lr=1e-3)), "The model to fine-tune."

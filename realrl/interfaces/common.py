@@ -212,8 +212,7 @@ class DistributedMeans:
             _as_float64(self.counts[n]) for n in names
         ]
         vector = torch.stack([v.to(device) for v in values])  # [2 * num_stats] float64
-        all_reduce_sum(vector, process_group)
-        sums, counts = vector.cpu().split(len(names))
+        sums, counts = all_reduce_sum(vector, process_group).cpu().split(len(names))
         result = {}
         for name, total, count in zip(names, sums.tolist(), counts.tolist()):
             if name in self.fixed_divisors:

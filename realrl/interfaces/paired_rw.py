@@ -64,12 +64,10 @@ class PairedRewardInterface:
         check_pairs(data)
         group = engine.parallel.dp_group
         data = data.select(("packed_input_ids",)).to(engine.device)
-        num_pairs = torch.tensor(
-            [len(data.seqlens_of("packed_input_ids")) / 2.0],
-            dtype=torch.float64,
-            device=reduction_device(engine),
-        )
-        total_pairs = all_reduce_sum(num_pairs, group)[0].clamp(min=1)
+        device = reduction_device(engine)
+        num_pairs = len(data.seqlens_of("packed_input_ids")) / 2.0  # this rank's
+        pair_count = torch.tensor([num_pairs], dtype=torch.float64, device=device)
+        total_pairs = all_reduce_sum(pair_count, group)[0].clamp(min=1)  # every rank's
         microbatches, _, _ = data.split_microbatches(
             microbatch.max_tokens_per_microbatch, microbatch.min_num_microbatches
         )
@@ -90,11 +88,11 @@ class PairedRewardInterface:
         stats = engine.train_microbatches(microbatches, loss_fn)
         means = DistributedMeans()
         means.add_global_total("loss", stats["loss"])
-        local_pairs = float(num_pairs[0])
+        # Local sums over local counts: `reduce` sums both over the ranks.
         for name in ("positive_score", "negative_score"):
-            means.add(name, stats[name], local_pairs)
-        means.add("accuracy", stats["correct"], local_pairs)
-        result = means.reduce(group, reduction_device(engine))
+            means.add(name, stats[name], num_pairs)
+        means.add("accuracy", stats["correct"], num_pairs)
+        result = means.reduce(group, device)
         result["grad_norm"], result["lr"] = stats["grad_norm"], stats["lr"]
         return MFCResult(stats=result)
 

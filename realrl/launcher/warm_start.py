@@ -1,7 +1,7 @@
 """Default model paths: the built-in tiny model, and ppo-math's SFT warm start of it.
 
-Experiments whose config sets `default_model = "fresh"` (sft, rw) start from randomly
-initialised weights; the others (ppo-math, dpo, gen) from the *warm start*: the fresh model
+Experiments whose config sets `default_model = "fresh"` (sft) start from randomly
+initialised weights; the others (ppo-math, rw, dpo, gen) from the *warm start*: the fresh model
 after realrl's own `sft` experiment on the built-in arithmetic data, built on first use by
 
     python -m realrl.apps.quickstart sft output_root=$REALRL_CACHE/build \

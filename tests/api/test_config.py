@@ -1,4 +1,5 @@
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
@@ -7,6 +8,7 @@ from realrl.api.config import (
     ConfigError,
     all_keys,
     help_field,
+    iter_fields,
     load_resolved_config,
     resolve_config,
     to_yaml,
@@ -105,6 +107,33 @@ def test_resolved_yaml_round_trips(tmp_path):
 def test_all_keys_include_sections_and_leaves():
     keys = all_keys(ToyConfig)
     assert "optimizer" in keys and "optimizer.lr" in keys and "wandb.mode" in keys
+
+
+@dataclass
+class ToyWithSectionDefaults(BaseExperimentConfig):
+    key_help: ClassVar[dict[str, str]] = {"slow.lr": "The slow optimizer's rate."}
+
+    fast: OptimizerConfig = help_field(OptimizerConfig(lr=2e-4, beta1=0.5), "fast")
+    slow: OptimizerConfig = help_field(OptimizerConfig(), "slow")
+
+
+def test_iter_fields_shows_a_sections_default_instance_and_the_experiments_key_help():
+    fields = {info.key: info for info in iter_fields(ToyWithSectionDefaults)}
+    assert (fields["fast.lr"].default, fields["fast.beta1"].default) == (2e-4, 0.5)
+    assert fields["fast.beta2"].default == OptimizerConfig().beta2
+    assert fields["slow.lr"].default == OptimizerConfig().lr
+    assert fields["slow.lr"].help == "The slow optimizer's rate."
+    assert fields["fast.lr"].help == "Peak learning rate of AdamW."
+
+
+def test_key_help_naming_an_unknown_key_is_an_error():
+    @dataclass
+    class Misspelt(BaseExperimentConfig):
+        key_help: ClassVar[dict[str, str]] = {"optimiser.lr": "typo"}
+        optimizer: OptimizerConfig = help_field(OptimizerConfig(), "optimizer")
+
+    with pytest.raises(ValueError, match=r"Misspelt.key_help names unknown key\(s\) \['optimiser.lr'\]"):
+        list(iter_fields(Misspelt))
 
 
 def test_run_dir_is_output_root_experiment_trial():

@@ -1,13 +1,16 @@
+import random
 import re
 
 import pytest
 
 from realrl.datasets.arithmetic import (
+    WRONG_ANSWER_KINDS,
     as_paired_records,
     as_sft_records,
     make_arithmetic_records,
     make_arithmetic_splits,
     write_arithmetic_files,
+    wrong_answer,
 )
 from realrl.datasets.records import load_paired_records, load_prompt_records, load_sft_records
 
@@ -70,7 +73,62 @@ def test_sft_and_paired_forms_keep_the_right_answer_and_a_wrong_one():
         assert pair["pos_answers"] == [record["answer"]] * 3
         assert len(pair["neg_answers"]) == 3
         for wrong in pair["neg_answers"]:
-            assert wrong != record["answer"] and 1 <= abs(int(wrong) - int(record["answer"])) <= 10
+            assert re.fullmatch(r"-?\d+", wrong) and wrong != record["answer"]
+
+
+def _is_rough_mistake(right: int, wrong: int) -> bool:
+    """Caught by an estimate of the result: the sign, the number of digits or the tens."""
+    return (
+        (right < 0) != (wrong < 0)
+        or len(str(abs(right))) != len(str(abs(wrong)))
+        or abs(wrong - right) >= 20
+    )
+
+
+def _built_in_pairs() -> list[tuple[int, int]]:
+    records = make_arithmetic_records(4000, seed=0, max_digits=2)  # the built-in data's kind
+    return [
+        (int(pair["pos_answers"][0]), int(pair["neg_answers"][0]))
+        for pair in as_paired_records(records, seed=0)
+    ]
+
+
+def test_three_quarters_of_the_wrong_answers_are_caught_by_a_rough_estimate():
+    # What a small reward model learns within a default `rw` run: near misses (off by 1, 2 or
+    # 10) need exact digit arithmetic and stay near chance there (see WRONG_ANSWER_KINDS).
+    pairs = _built_in_pairs()
+    rough = sum(_is_rough_mistake(right, wrong) for right, wrong in pairs) / len(pairs)
+    assert 0.7 < rough < 0.8
+    near_misses = [wrong - right for right, wrong in pairs if not _is_rough_mistake(right, wrong)]
+    assert set(near_misses) <= {-10, -2, -1, 1, 2, 10}
+
+
+def test_no_rule_that_ignores_the_prompt_ranks_the_pairs_well():
+    # The reward model has to read the problem: comparing the two answers alone (which is
+    # shorter, which is non-negative, which is smaller) ranks at most 60% of the pairs right.
+    rules = {
+        "shorter": lambda value: -len(str(value)),
+        "non-negative": lambda value: value >= 0,
+        "smaller": lambda value: -value,
+        "larger": lambda value: value,
+        "closer to zero": lambda value: -abs(value),
+    }
+    pairs = _built_in_pairs()
+    for name, rule in rules.items():
+        right_way = sum(
+            1.0 if rule(right) > rule(wrong) else 0.5 if rule(right) == rule(wrong) else 0.0
+            for right, wrong in pairs
+        )
+        assert right_way / len(pairs) <= 0.61, name
+
+
+def test_every_kind_of_wrong_answer_differs_from_the_right_one():
+    rng = random.Random(0)
+    for value in range(-120, 1000):
+        for kind, make in WRONG_ANSWER_KINDS.items():
+            wrong = make(value, rng)
+            assert wrong is None or wrong != value, (kind, value)
+        assert wrong_answer(str(value), rng)[0] != str(value)
 
 
 def test_written_files_pass_the_dataset_loaders(tmp_path):
