@@ -22,10 +22,18 @@ reporting the verifiable accuracy of the same responses.
 import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import ClassVar
 
 from realrl.api.config import LogConfig, help_field
 from realrl.api.dfg import MFCDef, MFCKind
-from realrl.api.experiment import ExperimentSpec, MFCConfig, ModelKind, ModelRoleConfig, ModelSpec
+from realrl.api.experiment import (
+    ExperimentSpec,
+    MFCConfig,
+    ModelKind,
+    ModelRoleConfig,
+    ModelSpec,
+    linked_path_help,
+)
 from realrl.api.registry import register_experiment
 from realrl.experiments.ppo_math import PPOMathConfig
 from realrl.interfaces.configs import PairedRewardConfig
@@ -40,6 +48,12 @@ class RewardSource(str, enum.Enum):
 @dataclass
 class PPOWithRewardModelConfig(PPOMathConfig):
     """ppo-math that also scores responses with a learned reward model (logged as rm_scores)."""
+
+    key_help: ClassVar[dict[str, str]] = PPOMathConfig.key_help | {
+        "rm.path": linked_path_help(
+            "actor", ", with a zero-initialised value head: it scores, but has learned nothing"
+        ),
+    }
 
     rm: ModelRoleConfig = help_field(
         ModelRoleConfig(), "Learned reward model checkpoint (an `rw` run's); empty: actor.path "
