@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from realrl.api.config import help_field
+from realrl.api.config import DType, help_field
 from realrl.api.dfg import DataflowGraph, MFCDef, MicroBatchSpec
 
 
@@ -47,11 +47,6 @@ class OptimizerConfig:
         return problems
 
 
-class DType(str, enum.Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-
-
 @dataclass
 class ModelRoleConfig:
     """One model role: where its weights come from and how it is trained."""
@@ -59,7 +54,11 @@ class ModelRoleConfig:
     path: str = help_field(
         "", "Local Hugging Face checkpoint directory; empty: the built-in default model."
     )
-    dtype: DType = help_field(DType.float32, "Parameter dtype (never float16 on CPU).")
+    dtype: DType | None = help_field(
+        None, "Parameter dtype of this role; null: the dtype of the role it is initialised "
+        "from (ppo-math's ref and critic, dpo's ref: actor's), else the run-wide `dtype` "
+        "(float32 unless set). bfloat16 memory and fp32 master weights: see `dtype`.",
+    )
     offload: bool = help_field(
         False, "Frozen models only: move the weights to host memory after each use (frees GPU "
         "memory between calls; nothing to free on CPU)."

@@ -40,6 +40,7 @@ from realrl.api import environment
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import LRScheduler, OptimizerConfig
 from realrl.backends import shared_memory
+from realrl.backends.mixed_precision import MasterWeights, check_saved_masters
 from realrl.models.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -103,6 +104,10 @@ class GradientBuckets:
     With `use_shared_memory` and a CPU group whose ranks all share this machine's memory, the
     buckets are views of a `SharedMemorySum` instead, and `finish` sums them there (nothing is
     sent during the backward).
+
+    `parameters` are the tensors whose `.grad` the buckets hold: the module's parameters, or
+    the fp32 masters of a low-precision module (`MasterWeights`), whose main gradients its own
+    hooks fill and report through `gradient_done` (`hook_backward=False`).
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class GradientBuckets:
         group,
         bucket_bytes: int,
         use_shared_memory: bool = True,
+        hook_backward: bool = True,
     ) -> None:
         self.group = group
         self.parameters = parameters
@@ -144,8 +150,8 @@ class GradientBuckets:
         self.launched = 0
         self.works: list = []
         # Shared-memory sums run after the backward: nothing to start while it runs.
-        self.hooks = [] if self.shared is not None else [
-            p.register_post_accumulate_grad_hook(self._finished) for p in parameters
+        self.hooks = [] if self.shared is not None or not hook_backward else [
+            p.register_post_accumulate_grad_hook(self.gradient_done) for p in parameters
         ]
 
     def zero(self) -> None:
@@ -166,8 +172,9 @@ class GradientBuckets:
         self.launched = 0
         self.works = []
 
-    def _finished(self, parameter: torch.nn.Parameter) -> None:
-        if self.armed:
+    def gradient_done(self, parameter: torch.nn.Parameter) -> None:
+        """The backward has finished `parameter`'s gradient (one of `parameters`)."""
+        if self.armed and self.shared is None:
             self.waiting[self.bucket_of[id(parameter)]] -= 1
             self._launch(complete_only=True)
 
@@ -246,23 +253,35 @@ class TorchEngine:
         # Forwards kept for the next train call, and the weights they were computed with.
         self._kept: list[_KeptForward] = []
         self._kept_weights: tuple[int, ...] = ()
+        # The most tokens one forward ran since the worker last reset it (memory hints).
+        self.largest_forward_tokens = 0
+        # fp32 masters of a low-precision module's trainable parameters (None in fp32).
+        self.master_weights: MasterWeights | None = None
         if optimizer_config is not None:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in module.parameters() if p.requires_grad],
-                lr=optimizer_config.lr,
-                betas=(optimizer_config.beta1, optimizer_config.beta2),
-                eps=optimizer_config.eps,
-                weight_decay=optimizer_config.weight_decay,
-                # One fused kernel instead of ~10 ops per tensor: 31 -> 6 ms per step for the
-                # 4M-parameter benchmark model on one CPU thread; same update up to fp32 rounding.
-                fused=module.device.type in ("cpu", "cuda"),
-            )
-            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer,
-                lambda step: lr_multiplier(step, total_optimizer_steps, optimizer_config),
-            )
+            self._build_optimizer(optimizer_config, total_optimizer_steps)
         else:
             module.requires_grad_(False)
+
+    def _build_optimizer(self, config: OptimizerConfig, total_optimizer_steps: int) -> None:
+        """AdamW on the trainable parameters, or on their fp32 masters when the module computes
+        in a lower precision (`realrl.backends.mixed_precision`)."""
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        if any(p.dtype != torch.float32 for p in trainable):
+            self.master_weights = MasterWeights(trainable)
+            trainable = self.master_weights.masters
+        self.optimizer = torch.optim.AdamW(
+            trainable,
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            # One fused kernel instead of ~10 ops per tensor: 31 -> 6 ms per step for the
+            # 4M-parameter benchmark model on one CPU thread; same update up to fp32 rounding.
+            fused=self.module.device.type in ("cpu", "cuda"),
+        )
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_multiplier(step, total_optimizer_steps, config)
+        )
 
     @property
     def device(self) -> torch.device:
@@ -298,6 +317,7 @@ class TorchEngine:
         does not use is dropped when it ends.
         """
         packed_input_ids, cu_seqlens = packed_input_ids.to(self.device), cu_seqlens.to(self.device)
+        self.largest_forward_tokens = max(self.largest_forward_tokens, packed_input_ids.numel())
         if not keep:
             self.module.eval()
             with torch.no_grad():
@@ -325,6 +345,9 @@ class TorchEngine:
         self._kept, self._kept_weights = [], ()
 
         def forward(packed_input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+            self.largest_forward_tokens = max(
+                self.largest_forward_tokens, packed_input_ids.numel()
+            )
             for index, candidate in enumerate(kept):
                 if candidate.matches(packed_input_ids, cu_seqlens):
                     reused.append(index)
@@ -336,7 +359,10 @@ class TorchEngine:
     def train_microbatches(self, microbatches: Sequence[SequenceSample], loss_fn: LossFn) -> dict:
         """One optimizer step over `microbatches`; `loss_fn` returns each one's share of the
         whole-batch loss. Returns the summed stats plus `grad_norm`, `lr` and `forward_reused`
-        (the fraction of micro-batches that took a kept forward, see `forward`)."""
+        (the fraction of micro-batches that took a kept forward, see `forward`).
+
+        A low-precision module's gradients are summed in fp32 and the step is taken on its fp32
+        masters, then rounded into its weights (`realrl.backends.mixed_precision`)."""
         assert self.optimizer is not None, "train_microbatches on a frozen model"
         self.module.train()
         buckets = self._gradient_buckets()
@@ -359,6 +385,8 @@ class TorchEngine:
         grad_norm = self._clip_gradients(self.optimizer_config.gradient_clipping, buckets)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        if self.master_weights is not None:
+            self.master_weights.copy_to_module()
         self.lr_scheduler.step()
         totals["grad_norm"] = float(grad_norm)
         totals["forward_reused"] = len(reused) / max(len(microbatches), 1)
@@ -371,7 +399,11 @@ class TorchEngine:
         group = self.parallel.dp_group
         if group is None or self.parallel.dp_size == 1:
             return None
-        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        masters = self.master_weights
+        if masters is not None:  # the buckets hold the masters' fp32 main gradients
+            parameters = masters.masters
+        else:
+            parameters = [p for p in self.module.parameters() if p.requires_grad]
         buckets = self.gradient_buckets
         if buckets is None or [id(p) for p in buckets.parameters] != [id(p) for p in parameters]:
             if buckets is not None:
@@ -381,15 +413,23 @@ class TorchEngine:
                 group,
                 GRADIENT_BUCKET_BYTES,
                 use_shared_memory=environment.shared_memory_enabled(),
+                hook_backward=masters is None,
             )
+            if masters is not None:
+                masters.on_gradient = buckets.gradient_done
             self.gradient_buckets = buckets
         return buckets
 
     def _clip_gradients(self, max_norm: float, buckets: GradientBuckets | None) -> float:
         """Scale gradients to a global L2 norm of at most `max_norm` (no clipping when <= 0), as
         `torch.nn.utils.clip_grad_norm_` does, over the full (unsharded) model; returns the norm
-        before clipping. Costs one host sync, once per optimizer step."""
-        with_grads = [p for p in self.module.parameters() if p.grad is not None]
+        before clipping. Costs one host sync, once per optimizer step. A low-precision module's
+        gradients are its masters' fp32 main gradients."""
+        if self.master_weights is not None:
+            pairs = zip(self.master_weights.parameters, self.master_weights.masters, strict=True)
+        else:
+            pairs = ((p, p) for p in self.module.parameters())
+        with_grads = [(p, holder) for p, holder in pairs if holder.grad is not None]
         if not with_grads:
             return 0.0
         tp_group = self.parallel.tp_group if self.parallel.tp_size > 1 else None
@@ -399,8 +439,8 @@ class TorchEngine:
             grads = buckets.buckets
             is_sharded = [False] * len(grads)
         else:
-            grads = [p.grad for p in with_grads]
-            is_sharded = [id(p) in self.sharded_parameter_ids for p in with_grads]
+            grads = [holder.grad for _, holder in with_grads]
+            is_sharded = [id(p) in self.sharded_parameter_ids for p, _ in with_grads]
         squared = torch.stack(
             [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]
         )  # [num_gradient_tensors]
@@ -414,16 +454,38 @@ class TorchEngine:
         return total_norm
 
     def state_for_checkpoint(self) -> dict:
+        """Optimizer, LR schedule and, for a low-precision module, the fp32 master weights
+        (its bf16 weights alone would lose what the masters hold below one bf16 spacing)."""
         state = {}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self.master_weights is not None:
+            state["master_weights"] = self.master_weights.state_dict()
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
+        """Restore `state_for_checkpoint`'s state. Saved fp32 masters become the masters (and,
+        rounded, the weights); an fp32 module resuming a bf16 run takes them as its weights."""
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.optimizer is None or "master_weights" not in state:
+            return
+        if self.master_weights is not None:
+            self.master_weights.load_state_dict(state["master_weights"])
+            return
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        check_saved_masters(state["master_weights"], trainable)
+        with torch.no_grad():
+            torch._foreach_copy_(trainable, [m.to(self.device) for m in state["master_weights"]])
+
+    def weights_written(self) -> None:
+        """The module's weights were written outside the optimizer (a checkpoint's weights
+        loaded into it): the fp32 masters of a low-precision module take them, exactly.
+        `load_checkpoint_state` may then replace them with saved masters."""
+        if self.master_weights is not None:
+            self.master_weights.copy_from_module()
 
 
 def sharded_parameter_ids(module: torch.nn.Module) -> set[int]:
