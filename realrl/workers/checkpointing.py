@@ -107,6 +107,7 @@ def load_worker_state(worker, directory: str) -> None:
             )
         for name, target in engine.module.named_parameters():
             target.copy_(loaded[name])
+        engine.weights_written()  # a bf16 role's fp32 masters take them (saved ones may follow)
         if engine.optimizer is not None:
             engine.load_checkpoint_state(
                 torch.load(_optimizer_path(role_dir, parallel), weights_only=False)
