@@ -179,6 +179,15 @@ class BaseExperimentConfig:
         "parameter (fp32: 16), so updates below one bf16 spacing (lr=1e-6) still add up; "
         "activations take half of fp32's memory per token.",
     )
+    # ---- memory guidance (`realrl.workers.memory_watch`)
+    worker_memory_gb: float | None = help_field(
+        None,
+        "Memory one model worker may use, which each MFC call's measured peak "
+        "(`<mfc>/peak_memory_gb`) is compared with: past 85% of it a worker logs once per MFC "
+        "a `<mfc>.max_tokens_per_microbatch` that would bring the call to about 70%. Nothing "
+        "is enforced. null: the GPU's memory, or on CPU the machine's (MemTotal or the cgroup "
+        "limit, the smaller) divided by the workers on the node.",
+    )
 
     def model_path_links(self) -> dict[str, str]:
         """Roles whose empty path takes another role's path (and whose null dtype takes that
@@ -227,6 +236,11 @@ class BaseExperimentConfig:
         for name, value in (("experiment_name", self.experiment_name), ("trial_name", self.trial_name)):
             if "/" in value or value in (".", ".."):
                 problems.append(f"`{name}={value}` must be a plain name without '/'.")
+        if self.worker_memory_gb is not None and self.worker_memory_gb <= 0:
+            problems.append(
+                f"`worker_memory_gb={self.worker_memory_gb}` must be > 0, or null to use the "
+                "GPU's memory (CPU: the machine's share per worker)."
+            )
         return problems
 
     @property

@@ -107,10 +107,18 @@ def _mem_total_bytes() -> int:
 
 @dataclass
 class CallMemory:
-    """One call's memory: the peak, and what was live when it started (bytes)."""
+    """One call's memory in bytes: the peak, what was live when it started, and what the
+    process held then (CPU: live plus malloc's free memory; CUDA: live)."""
 
     peak_bytes: int
     live_at_start_bytes: int
+    held_at_start_bytes: int
+
+    @property
+    def grew(self) -> bool:
+        """Whether the call needed more than the process held: only then does its peak say
+        how much memory it needs (a smaller call fits in memory freed by earlier ones)."""
+        return self.peak_bytes > self.held_at_start_bytes
 
 
 class PeakMemory:
@@ -118,22 +126,23 @@ class PeakMemory:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._live_at_start = 0
+        self._live_at_start = self._held_at_start = 0
 
     def start(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._live_at_start = torch.cuda.memory_allocated(self.device)
+            self._live_at_start = self._held_at_start = torch.cuda.memory_allocated(self.device)
         else:
             _reset_resident_peak()
-            self._live_at_start = max(0, _status_bytes("VmRSS") - _malloc_free_bytes())
+            self._held_at_start = _status_bytes("VmRSS")
+            self._live_at_start = max(0, self._held_at_start - _malloc_free_bytes())
 
     def stop(self) -> CallMemory:
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
             peak = _status_bytes("VmHWM")
-        return CallMemory(peak, min(self._live_at_start, peak))
+        return CallMemory(peak, min(self._live_at_start, peak), self._held_at_start)
 
 
 def suggested_token_budget(memory: CallMemory, largest_forward_tokens: int,
@@ -148,22 +157,33 @@ def suggested_token_budget(memory: CallMemory, largest_forward_tokens: int,
     return int(room / per_token) // 64 * 64
 
 
+def holds_too_much(memory: CallMemory, limit_bytes: int) -> bool:
+    """What was live before the call is past the budget's target: a worker-wide problem."""
+    return memory.live_at_start_bytes >= TARGET * limit_bytes
+
+
 def near_limit_hint(mfc_name: str, is_generate: bool, memory: CallMemory,
                     largest_forward_tokens: int, limit_bytes: int) -> str | None:
-    """The hint to log for a call whose peak passed `NEAR_LIMIT` of the limit (None below)."""
+    """The hint to log for a call whose peak passed `NEAR_LIMIT` of the limit; None below it,
+    or when the call fit in memory the process held already (its need is then unknown)."""
     if memory.peak_bytes < NEAR_LIMIT * limit_bytes:
         return None
     used = (f"{mfc_name} peaked at {memory.peak_bytes / GIB:.2f} GB of this worker's "
             f"{limit_bytes / GIB:.2f} GB")
+    if holds_too_much(memory, limit_bytes):
+        return (f"{used}, {memory.live_at_start_bytes / GIB:.2f} GB of it held before the "
+                "call (the process, its models' weights and optimizer state): no token "
+                "budget helps; fewer models on this worker (allocation_mode), bfloat16 "
+                "(`dtype=bfloat16`) or more workers do")
+    if not memory.grew:
+        return None
     if is_generate:
         return (f"{used}: generation holds a KV cache per sequence; fewer prompts per step "
                 "(dataset.batch_size) or shorter responses lower it")
     budget = suggested_token_budget(memory, largest_forward_tokens, limit_bytes)
     if budget is None:
-        return (f"{used}, {memory.live_at_start_bytes / GIB:.2f} GB of it held before the "
-                "call (weights, optimizer state): bfloat16 (`dtype=bfloat16`) or more workers "
-                "would lower it")
-    per_token = (memory.peak_bytes - memory.live_at_start_bytes) / max(largest_forward_tokens, 1)
+        return None
+    per_token = (memory.peak_bytes - memory.live_at_start_bytes) / largest_forward_tokens
     return (f"{used} with micro-batches of up to {largest_forward_tokens} tokens "
             f"(~{per_token / 2**20:.2f} MB per token); set "
             f"`{mfc_name}.max_tokens_per_microbatch={budget}` to bring it to about "
@@ -171,7 +191,8 @@ def near_limit_hint(mfc_name: str, is_generate: bool, memory: CallMemory,
 
 
 class MemoryWatch:
-    """Per worker: measures each call and logs `near_limit_hint` once per MFC."""
+    """Per worker: measures each call and logs `near_limit_hint` once per MFC (once per
+    worker when what it held before the call is the problem)."""
 
     def __init__(self, device: torch.device, workers_per_node: int,
                  limit_bytes: int | None = None) -> None:
@@ -188,9 +209,10 @@ class MemoryWatch:
         """The call's peak in GB; logs the hint the first time this MFC nears the limit."""
         memory = self.peak.stop()
         tokens = getattr(engine, "largest_forward_tokens", 0)
-        if mfc_name not in self.hinted:
+        key = "held" if holds_too_much(memory, self.limit_bytes) else mfc_name
+        if key not in self.hinted:
             hint = near_limit_hint(mfc_name, is_generate, memory, tokens, self.limit_bytes)
             if hint is not None:
-                self.hinted.add(mfc_name)
+                self.hinted.add(key)
                 logger.warning(hint)
         return memory.peak_bytes / GIB

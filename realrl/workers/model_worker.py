@@ -71,7 +71,9 @@ class ModelWorker:
         device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                   else torch.device("cpu"))
         # Each call's peak memory, and a hint when it nears this worker's share.
-        self.memory = MemoryWatch(device, plan.base.n_devices_per_node)
+        limit_gb = plan.base.worker_memory_gb
+        self.memory = MemoryWatch(device, plan.base.n_devices_per_node,
+                                  limit_bytes=None if limit_gb is None else int(limit_gb * 2**30))
 
     def _build(self) -> None:
         from realrl.workers.model_loading import load_engine
