@@ -85,7 +85,13 @@ class MFCConfig:
     """Per-MFC execution settings."""
 
     max_tokens_per_microbatch: int | None = help_field(
-        None, "Token budget of one micro-batch on one data-parallel rank; null: no budget."
+        None, "Token budget of one micro-batch on one data-parallel rank; null: no budget (the "
+        "rank's whole share of a mini-batch in one forward). Activation memory grows with it, "
+        "per token: ~2 x vocab values for an LM's logits and their gradient (3-4 x with an "
+        "entropy bonus, 1 x in inference), which dominate for small models with large "
+        "vocabularies, plus ~(16 x hidden + 4 x intermediate) values per layer in training; 4 "
+        "bytes per value in float32, 2 in bfloat16. Workers log a value for it when a call "
+        "nears their memory (`worker_memory_gb`). The update is the same up to float rounding."
     )
     min_num_microbatches: int = help_field(1, "At least this many micro-batches per rank.")
 
