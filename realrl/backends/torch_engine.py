@@ -15,7 +15,7 @@ counts each sharded slice once (its squared norm is summed over the tp group) an
 replicated parameter once.
 
 Data-parallel gradient sums overlap the backward, as in PyTorch DDP (Li et al. 2020): the
-gradients live in flat buckets (`GradientBuckets`), and during the last micro-batch's backward
+gradients live in flat buckets (`realrl.backends.gradient_buckets`), and during the last micro-batch's backward
 each bucket's all-reduce starts as soon as the backward has finished all of its gradients.
 Measured for the 4M-parameter benchmark model on 2 gloo ranks: concatenating the gradients,
 the all-reduce and copying them back cost 8 + 18 + 4 ms per step when done after the backward.
@@ -24,6 +24,10 @@ When every rank of a CPU data-parallel group runs on one machine, the buckets li
 memory instead and are summed there after the backward (`realrl.backends.shared_memory`):
 gloo's socket all-reduce still cost ~25 ms of each rank's CPU per step with the overlap, and
 the summation through shared memory ~4 ms. `REALRL_SHARED_MEMORY=0` turns it off.
+
+A module in a lower precision than fp32 (bf16) trains on fp32 master weights: gradients are
+summed, clipped and stepped in fp32 and the result rounded into its weights
+(`realrl.backends.mixed_precision`). fp32 modules train on their parameters directly.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch.distributed as dist
 from realrl.api import environment
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import LRScheduler, OptimizerConfig
-from realrl.backends import shared_memory
+from realrl.backends.gradient_buckets import GradientBuckets
 from realrl.backends.mixed_precision import MasterWeights, check_saved_masters
 from realrl.models.tensor_parallel import (
     ColumnParallelLinear,
@@ -85,130 +89,6 @@ LossFn = Callable[[Forward, SequenceSample], tuple[torch.Tensor, dict[str, float
 
 # Gradients are summed over data-parallel ranks in buckets of about this many bytes.
 GRADIENT_BUCKET_BYTES = 4 * 2**20
-
-
-class GradientBuckets:
-    """The trainable parameters' gradients as views into flat buckets, summed over the
-    data-parallel group while the backward still runs.
-
-    Buckets take the parameters in reverse registration order, roughly the order in which
-    the backward finishes their gradients. While `armed` (the last micro-batch's backward),
-    a hook counts each bucket's finished gradients, and a complete bucket's all-reduce starts
-    at once (asynchronously), provided every earlier bucket has started: all ranks must issue
-    their collectives in the same order. `finish` starts the rest (buckets with a parameter
-    the backward did not reach, e.g. on a rank without data) and waits for all of them.
-
-    The views stay `.grad` across steps (`zero` clears them in place), so the backward adds
-    into the buckets and nothing is copied in or out.
-
-    With `use_shared_memory` and a CPU group whose ranks all share this machine's memory, the
-    buckets are views of a `SharedMemorySum` instead, and `finish` sums them there (nothing is
-    sent during the backward).
-
-    `parameters` are the tensors whose `.grad` the buckets hold: the module's parameters, or
-    the fp32 masters of a low-precision module (`MasterWeights`), whose main gradients its own
-    hooks fill and report through `gradient_done` (`hook_backward=False`).
-    """
-
-    def __init__(
-        self,
-        parameters: list[torch.nn.Parameter],
-        group,
-        bucket_bytes: int,
-        use_shared_memory: bool = True,
-        hook_backward: bool = True,
-    ) -> None:
-        self.group = group
-        self.parameters = parameters
-        self.members: list[list[torch.nn.Parameter]] = []
-        open_buckets: dict[tuple, list[torch.nn.Parameter]] = {}
-        for parameter in reversed(parameters):
-            key = (parameter.dtype, parameter.device)
-            members = open_buckets.setdefault(key, [])
-            members.append(parameter)
-            if sum(p.numel() for p in members) * parameter.element_size() >= bucket_bytes:
-                self.members.append(open_buckets.pop(key))
-        self.members.extend(open_buckets.values())
-        specs = [(sum(p.numel() for p in members), members[0].dtype) for members in self.members]
-        self.shared: shared_memory.SharedMemorySum | None = None
-        if use_shared_memory and all(m[0].device.type == "cpu" for m in self.members):
-            self.shared = shared_memory.SharedMemorySum.connect(group, specs)
-        if self.shared is not None:
-            self.buckets = self.shared.tensors
-        else:
-            self.buckets = [
-                torch.zeros(numel, dtype=dtype, device=members[0].device)
-                for (numel, dtype), members in zip(specs, self.members)
-            ]
-        self.bucket_of = {
-            id(parameter): index
-            for index, members in enumerate(self.members)
-            for parameter in members
-        }
-        self.armed = False
-        self.waiting: list[int] = []  # per bucket: gradients the backward has yet to finish
-        self.launched = 0
-        self.works: list = []
-        # Shared-memory sums run after the backward: nothing to start while it runs.
-        self.hooks = [] if self.shared is not None or not hook_backward else [
-            p.register_post_accumulate_grad_hook(self.gradient_done) for p in parameters
-        ]
-
-    def zero(self) -> None:
-        """Zero every gradient and (re)attach each parameter's `.grad` to its bucket."""
-        for flat, members in zip(self.buckets, self.members):
-            flat.zero_()
-            offset = 0
-            for parameter in members:
-                view = flat[offset : offset + parameter.numel()].view_as(parameter)
-                if parameter.grad is None or parameter.grad.data_ptr() != view.data_ptr():
-                    parameter.grad = view
-                offset += parameter.numel()
-
-    def arm(self) -> None:
-        """The next backward is the step's last: start each bucket's all-reduce when it is done."""
-        self.armed = True
-        self.waiting = [len(members) for members in self.members]
-        self.launched = 0
-        self.works = []
-
-    def gradient_done(self, parameter: torch.nn.Parameter) -> None:
-        """The backward has finished `parameter`'s gradient (one of `parameters`)."""
-        if self.armed and self.shared is None:
-            self.waiting[self.bucket_of[id(parameter)]] -= 1
-            self._launch(complete_only=True)
-
-    def _launch(self, complete_only: bool) -> None:
-        while self.launched < len(self.buckets) and (
-            not complete_only or self.waiting[self.launched] == 0
-        ):
-            flat = self.buckets[self.launched]
-            self.works.append(dist.all_reduce(flat, group=self.group, async_op=True))
-            self.launched += 1
-
-    def finish(self) -> None:
-        """Start what is left and wait until every bucket holds the sum over the group."""
-        if not self.armed:
-            self.arm()
-        if self.shared is not None:
-            self.shared.all_reduce()
-        else:
-            self._launch(complete_only=False)
-            for work in self.works:
-                work.wait()
-        for flat, members in zip(self.buckets, self.members):
-            start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
-            if any(p.grad is None or not start <= p.grad.data_ptr() < end for p in members):
-                raise RuntimeError(
-                    "a parameter's .grad was replaced during the step, so its bucket's "
-                    "data-parallel sum missed it; only TorchEngine may set gradients"
-                )
-        self.armed = False
-        self.works = []
-
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
 
 
 @dataclass
