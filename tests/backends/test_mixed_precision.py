@@ -20,6 +20,7 @@ from realrl.backends import torch_engine
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.models.config import ModelConfig
 from realrl.models.transformer import Transformer
+from realrl.workers.model_loading import shard_module
 
 VOCAB_SIZE = 52
 # Four packed sequences of 20, 24, 26 and 26 tokens, with fixed random next-token targets.
@@ -303,3 +304,38 @@ def test_kept_forward_is_reused_with_masters_until_the_weights_are_written():
             target.copy_(source)
     engine.weights_written()
     assert engine.train_microbatches([microbatch], loss_fn)["forward_reused"] == 0.0
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+
+def _tensor_parallel_worker(rank: int, rendezvous: str, output: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    try:
+        parallel = ParallelContext(tp_rank=rank, tp_size=2, tp_group=dist.new_group([0, 1]))
+        module = shard_module(tiny_model().to(torch.bfloat16), parallel)
+        engine = make_engine(module, 1e-3, parallel, gradient_clipping=0.05)
+        stats = [engine.train_microbatches(microbatches([0, 1, 2, 3], 2), loss_fn)
+                 for _ in range(3)]
+        torch.save([(s["loss"], s["grad_norm"]) for s in stats], f"{output}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_bf16_clips_on_fp32_gradients_counting_shards_once(tmp_path):
+    """tp=2 in bf16: each sharded master's slice enters the global norm once, each replicated
+    one once, so the norm (and the clipped steps after it) match one device's up to bf16
+    rounding of the sharded matmuls."""
+    torch.set_num_threads(1)
+    output = str(tmp_path / "result")
+    mp.spawn(_tensor_parallel_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2,
+             join=True)
+    engine = make_engine(tiny_model().to(torch.bfloat16), 1e-3, gradient_clipping=0.05)
+    single = [engine.train_microbatches(microbatches([0, 1, 2, 3], 2), loss_fn)
+              for _ in range(3)]
+    for rank in range(2):
+        for (loss, grad_norm), expected in zip(torch.load(f"{output}.rank{rank}"), single):
+            assert expected["grad_norm"] > 0.05  # every step clips
+            assert loss == pytest.approx(expected["loss"], rel=1e-2)
+            assert grad_norm == pytest.approx(expected["grad_norm"], rel=2e-2)
