@@ -36,8 +36,8 @@ def test_run_wide_dtype_with_a_per_role_override():
 
 
 def test_dpo_reference_follows_the_actor_and_single_model_experiments_the_run_wide_key():
-    assert dtypes(resolve_config(DPOExperimentConfig, ["actor.dtype=bfloat16"]), ("actor", "ref")) == {
-        "actor": "bfloat16", "ref": "bfloat16"}
+    dpo = resolve_config(DPOExperimentConfig, ["actor.dtype=bfloat16"])
+    assert dtypes(dpo, ("actor", "ref")) == {"actor": "bfloat16", "ref": "bfloat16"}
     sft = resolve_config(SFTExperimentConfig, ["dtype=bfloat16"])
     assert sft.model.dtype == DType.bfloat16
 

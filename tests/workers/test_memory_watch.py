@@ -102,7 +102,8 @@ def test_a_call_near_the_limit_logs_a_token_budget_that_fits(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="realrl.workers.memory_watch"):
         first_gb = _train_call(watch, engine, BATCH_TOKENS)
         _train_call(watch, engine, BATCH_TOKENS)  # logged once per MFC
-    hints = [r.getMessage() for r in caplog.records if "max_tokens_per_microbatch" in r.getMessage()]
+    hints = [r.getMessage() for r in caplog.records
+             if "max_tokens_per_microbatch" in r.getMessage()]
     assert len(hints) == 1, caplog.text
     budget = int(re.search(r"`actor_train\.max_tokens_per_microbatch=(\d+)`", hints[0]).group(1))
     assert SEQUENCE_TOKENS <= budget < BATCH_TOKENS
