@@ -177,7 +177,7 @@ class BaseExperimentConfig:
         "frozen roles hold 2 bytes per parameter instead of 4; trained roles compute in bf16 "
         "and keep fp32 master weights, fp32 gradients and fp32 AdamW moments, 18 bytes per "
         "parameter (fp32: 16), so updates below one bf16 spacing (lr=1e-6) still add up; "
-        "activations take half of fp32's memory per token.",
+        "activations take up to half of fp32's memory per token.",
     )
     # ---- memory guidance (`realrl.workers.memory_watch`)
     worker_memory_gb: float | None = help_field(
