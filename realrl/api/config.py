@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import enum
 import os
+import types
 import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,14 @@ class SlurmConfig:
     )
 
 
+class DType(str, enum.Enum):
+    """Parameter dtypes of model roles. float16 is not offered: it trains only with loss
+    scaling, which realrl does not do, and CPUs have no float16 matmuls."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 @dataclass
 class CheckpointConfig:
     weights_only: bool = help_field(
@@ -140,7 +149,8 @@ class CheckpointConfig:
         "data position, but no optimizer state (AdamW's two moments: twice the fp32 weights). "
         "recover_mode=auto|resume still resumes from such a checkpoint, at its step, data "
         "position and learning rate, with AdamW's moments starting again from zero (a warning "
-        "says so): the next updates differ from an uninterrupted run's."
+        "says so), and a bf16 role's fp32 master weights start again from its bf16 weights: "
+        "the next updates differ from an uninterrupted run's."
     )
     keep_last: int | None = help_field(
         2, "Keep the N newest complete checkpoints; an older one is deleted only once a newer "
@@ -218,6 +228,52 @@ class BaseExperimentConfig:
         LogConfig(), "What each step logs besides the MFCs' statistics (docs/metrics.md)."
     )
     slurm: SlurmConfig = help_field(SlurmConfig(), "SLURM options, used with mode=slurm.")
+    # ---- precision (`resolve_dtypes`)
+    dtype: DType = help_field(
+        DType.float32,
+        "Run-wide parameter dtype, taken by every model role whose `<role>.dtype` is null (a "
+        "role initialised from another, such as ppo-math's ref, takes that role's). bfloat16: "
+        "frozen roles hold 2 bytes per parameter instead of 4; trained roles compute in bf16 "
+        "and keep fp32 master weights, fp32 gradients and fp32 AdamW moments, 18 bytes per "
+        "parameter (fp32: 16), so updates below one bf16 spacing (lr=1e-6) still add up; "
+        "activations take up to half of fp32's memory per token.",
+    )
+    # ---- memory guidance (`realrl.workers.memory_watch`)
+    worker_memory_gb: float | None = help_field(
+        None,
+        "Memory one model worker may use, which each MFC call's measured peak "
+        "(`<mfc>/peak_memory_gb`) is compared with: past 85% of it a worker logs once per MFC "
+        "a `<mfc>.max_tokens_per_microbatch` that would bring the call to about 70%. Nothing "
+        "is enforced. null: the GPU's memory, or on CPU the machine's (MemTotal or the cgroup "
+        "limit, the smaller) divided by the workers on the node.",
+    )
+
+    def model_path_links(self) -> dict[str, str]:
+        """Roles whose empty path takes another role's path (and whose null dtype takes that
+        role's dtype), e.g. {"ref": "actor"}; experiments override it."""
+        return {}
+
+    def resolve_dtypes(self) -> None:
+        """Fill every null `<role>.dtype` (a model role is a section with a `dtype` field): a
+        linked role takes its source's resolved dtype, any other role the run-wide `dtype`.
+        Called by `resolve_config`, so `--dry-run` and `config.yaml` show concrete dtypes."""
+        sections = {
+            f.name: section for f in dataclasses.fields(self)
+            if dataclasses.is_dataclass(section := getattr(self, f.name))
+            and any(g.name == "dtype" for g in dataclasses.fields(section))
+        }
+        links = self.model_path_links()
+
+        def resolve(name: str, seen: tuple[str, ...]) -> DType:
+            section = sections[name]
+            if section.dtype is None:
+                source = links.get(name)
+                linked = source in sections and source not in seen
+                section.dtype = resolve(source, (*seen, name)) if linked else self.dtype
+            return section.dtype
+
+        for name in sections:
+            resolve(name, ())
 
     def validate(self) -> list[str]:
         """Cross-field checks; subclasses extend and call super(). Returns every problem."""
@@ -241,6 +297,11 @@ class BaseExperimentConfig:
             if "/" in value or value in (".", ".."):
                 problems.append(f"`{name}={value}` must be a plain name without '/'.")
         problems += self.log.validate("log")
+        if self.worker_memory_gb is not None and self.worker_memory_gb <= 0:
+            problems.append(
+                f"`worker_memory_gb={self.worker_memory_gb}` must be > 0, or null to use the "
+                "GPU's memory (CPU: the machine's share per worker)."
+            )
         return problems
 
     @property
@@ -264,6 +325,10 @@ class FieldInfo:
 
 
 def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, types.UnionType):  # e.g. `DType | None`: name each member
+        return " | ".join(_type_name(member) for member in typing.get_args(annotation))
+    if annotation is type(None):
+        return "None"
     if isinstance(annotation, type):
         if issubclass(annotation, enum.Enum):
             return " | ".join(member.value for member in annotation)
@@ -439,6 +504,7 @@ def resolve_config(
         raise ConfigError([str(exc).splitlines()[0]]) from None
     if instance.n_devices_per_node == 0 and instance.mode == LaunchMode.local:
         instance.n_devices_per_node = detect_devices_per_node()
+    instance.resolve_dtypes()
     problems = instance.validate()
     if problems:
         raise ConfigError(problems)

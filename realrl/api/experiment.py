@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from realrl.api.config import help_field
+from realrl.api.config import DType, help_field
 from realrl.api.dfg import DataflowGraph, MFCDef, MicroBatchSpec
 
 # What an empty `<role>.path` loads (`realrl.launcher.run.resolve_model_paths`): the class's
@@ -64,11 +64,6 @@ class OptimizerConfig:
         return problems
 
 
-class DType(str, enum.Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-
-
 @dataclass
 class ModelRoleConfig:
     """One model role: where its weights come from and how it is trained."""
@@ -76,7 +71,11 @@ class ModelRoleConfig:
     path: str = help_field(
         "", WARM_START_PATH_HELP
     )
-    dtype: DType = help_field(DType.float32, "Parameter dtype (never float16 on CPU).")
+    dtype: DType | None = help_field(
+        None, "Parameter dtype of this role; null: the dtype of the role it is initialised "
+        "from (ppo-math's ref and critic, dpo's ref: actor's), else the run-wide `dtype` "
+        "(float32 unless set). bfloat16 memory and fp32 master weights: see `dtype`.",
+    )
     offload: bool = help_field(
         False, "Frozen models only: move the weights to host memory after each use (frees GPU "
         "memory between calls; nothing to free on CPU)."
@@ -103,7 +102,13 @@ class MFCConfig:
     """Per-MFC execution settings."""
 
     max_tokens_per_microbatch: int | None = help_field(
-        None, "Token budget of one micro-batch on one data-parallel rank; null: no budget."
+        None, "Token budget of one micro-batch on one data-parallel rank; null: no budget (the "
+        "rank's whole share of a mini-batch in one forward). Activation memory grows with it, "
+        "per token: ~2 x vocab values for an LM's logits and their gradient (3-4 x with an "
+        "entropy bonus, 1 x in inference), which dominate for small models with large "
+        "vocabularies, plus ~(16 x hidden + 4 x intermediate) values per layer in training; 4 "
+        "bytes per value in float32, 2 in bfloat16. Workers log a value for it when a call "
+        "nears their memory (`worker_memory_gb`). The update is the same up to float rounding."
     )
     min_num_microbatches: int = help_field(1, "At least this many micro-batches per rank.")
 

@@ -15,8 +15,9 @@ counts each sharded slice once (its squared norm is summed over the tp group) an
 replicated parameter once.
 
 Data-parallel gradient sums overlap the backward, as in PyTorch DDP (Li et al. 2020): the
-gradients live in flat buckets (`GradientBuckets`), and during the last micro-batch's backward
-each bucket's all-reduce starts as soon as the backward has finished all of its gradients.
+gradients live in flat buckets (`realrl.backends.gradient_buckets`), and during the last
+micro-batch's backward each bucket's all-reduce starts as soon as the backward has finished
+all of its gradients.
 Measured for the 4M-parameter benchmark model on 2 gloo ranks: concatenating the gradients,
 the all-reduce and copying them back cost 8 + 18 + 4 ms per step when done after the backward.
 
@@ -24,6 +25,10 @@ When every rank of a CPU data-parallel group runs on one machine, the buckets li
 memory instead and are summed there after the backward (`realrl.backends.shared_memory`):
 gloo's socket all-reduce still cost ~25 ms of each rank's CPU per step with the overlap, and
 the summation through shared memory ~4 ms. `REALRL_SHARED_MEMORY=0` turns it off.
+
+A module in a lower precision than fp32 (bf16) trains on fp32 master weights: gradients are
+summed, clipped and stepped in fp32 and the result rounded into its weights
+(`realrl.backends.mixed_precision`). fp32 modules train on their parameters directly.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ import torch.distributed as dist
 from realrl.api import environment
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import LRScheduler, OptimizerConfig
-from realrl.backends import shared_memory
+from realrl.backends.gradient_buckets import GradientBuckets
+from realrl.backends.mixed_precision import MasterWeights, check_saved_masters
 from realrl.models.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -86,124 +92,6 @@ LossFn = Callable[[Forward, SequenceSample], tuple[torch.Tensor, dict[str, float
 GRADIENT_BUCKET_BYTES = 4 * 2**20
 
 
-class GradientBuckets:
-    """The trainable parameters' gradients as views into flat buckets, summed over the
-    data-parallel group while the backward still runs.
-
-    Buckets take the parameters in reverse registration order, roughly the order in which
-    the backward finishes their gradients. While `armed` (the last micro-batch's backward),
-    a hook counts each bucket's finished gradients, and a complete bucket's all-reduce starts
-    at once (asynchronously), provided every earlier bucket has started: all ranks must issue
-    their collectives in the same order. `finish` starts the rest (buckets with a parameter
-    the backward did not reach, e.g. on a rank without data) and waits for all of them.
-
-    The views stay `.grad` across steps (`zero` clears them in place), so the backward adds
-    into the buckets and nothing is copied in or out.
-
-    With `use_shared_memory` and a CPU group whose ranks all share this machine's memory, the
-    buckets are views of a `SharedMemorySum` instead, and `finish` sums them there (nothing is
-    sent during the backward).
-    """
-
-    def __init__(
-        self,
-        parameters: list[torch.nn.Parameter],
-        group,
-        bucket_bytes: int,
-        use_shared_memory: bool = True,
-    ) -> None:
-        self.group = group
-        self.parameters = parameters
-        self.members: list[list[torch.nn.Parameter]] = []
-        open_buckets: dict[tuple, list[torch.nn.Parameter]] = {}
-        for parameter in reversed(parameters):
-            key = (parameter.dtype, parameter.device)
-            members = open_buckets.setdefault(key, [])
-            members.append(parameter)
-            if sum(p.numel() for p in members) * parameter.element_size() >= bucket_bytes:
-                self.members.append(open_buckets.pop(key))
-        self.members.extend(open_buckets.values())
-        specs = [(sum(p.numel() for p in members), members[0].dtype) for members in self.members]
-        self.shared: shared_memory.SharedMemorySum | None = None
-        if use_shared_memory and all(m[0].device.type == "cpu" for m in self.members):
-            self.shared = shared_memory.SharedMemorySum.connect(group, specs)
-        if self.shared is not None:
-            self.buckets = self.shared.tensors
-        else:
-            self.buckets = [
-                torch.zeros(numel, dtype=dtype, device=members[0].device)
-                for (numel, dtype), members in zip(specs, self.members)
-            ]
-        self.bucket_of = {
-            id(parameter): index
-            for index, members in enumerate(self.members)
-            for parameter in members
-        }
-        self.armed = False
-        self.waiting: list[int] = []  # per bucket: gradients the backward has yet to finish
-        self.launched = 0
-        self.works: list = []
-        # Shared-memory sums run after the backward: nothing to start while it runs.
-        self.hooks = [] if self.shared is not None else [
-            p.register_post_accumulate_grad_hook(self._finished) for p in parameters
-        ]
-
-    def zero(self) -> None:
-        """Zero every gradient and (re)attach each parameter's `.grad` to its bucket."""
-        for flat, members in zip(self.buckets, self.members):
-            flat.zero_()
-            offset = 0
-            for parameter in members:
-                view = flat[offset : offset + parameter.numel()].view_as(parameter)
-                if parameter.grad is None or parameter.grad.data_ptr() != view.data_ptr():
-                    parameter.grad = view
-                offset += parameter.numel()
-
-    def arm(self) -> None:
-        """The next backward is the step's last: start each bucket's all-reduce when it is done."""
-        self.armed = True
-        self.waiting = [len(members) for members in self.members]
-        self.launched = 0
-        self.works = []
-
-    def _finished(self, parameter: torch.nn.Parameter) -> None:
-        if self.armed:
-            self.waiting[self.bucket_of[id(parameter)]] -= 1
-            self._launch(complete_only=True)
-
-    def _launch(self, complete_only: bool) -> None:
-        while self.launched < len(self.buckets) and (
-            not complete_only or self.waiting[self.launched] == 0
-        ):
-            flat = self.buckets[self.launched]
-            self.works.append(dist.all_reduce(flat, group=self.group, async_op=True))
-            self.launched += 1
-
-    def finish(self) -> None:
-        """Start what is left and wait until every bucket holds the sum over the group."""
-        if not self.armed:
-            self.arm()
-        if self.shared is not None:
-            self.shared.all_reduce()
-        else:
-            self._launch(complete_only=False)
-            for work in self.works:
-                work.wait()
-        for flat, members in zip(self.buckets, self.members):
-            start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
-            if any(p.grad is None or not start <= p.grad.data_ptr() < end for p in members):
-                raise RuntimeError(
-                    "a parameter's .grad was replaced during the step, so its bucket's "
-                    "data-parallel sum missed it; only TorchEngine may set gradients"
-                )
-        self.armed = False
-        self.works = []
-
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-
-
 @dataclass
 class _KeptForward:
     """A training forward run before its train call, with its autograd graph."""
@@ -246,23 +134,35 @@ class TorchEngine:
         # Forwards kept for the next train call, and the weights they were computed with.
         self._kept: list[_KeptForward] = []
         self._kept_weights: tuple[int, ...] = ()
+        # The most tokens one forward ran since the worker last reset it (memory hints).
+        self.largest_forward_tokens = 0
+        # fp32 masters of a low-precision module's trainable parameters (None in fp32).
+        self.master_weights: MasterWeights | None = None
         if optimizer_config is not None:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in module.parameters() if p.requires_grad],
-                lr=optimizer_config.lr,
-                betas=(optimizer_config.beta1, optimizer_config.beta2),
-                eps=optimizer_config.eps,
-                weight_decay=optimizer_config.weight_decay,
-                # One fused kernel instead of ~10 ops per tensor: 31 -> 6 ms per step for the
-                # 4M-parameter benchmark model on one CPU thread; same update up to fp32 rounding.
-                fused=module.device.type in ("cpu", "cuda"),
-            )
-            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer,
-                lambda step: lr_multiplier(step, total_optimizer_steps, optimizer_config),
-            )
+            self._build_optimizer(optimizer_config, total_optimizer_steps)
         else:
             module.requires_grad_(False)
+
+    def _build_optimizer(self, config: OptimizerConfig, total_optimizer_steps: int) -> None:
+        """AdamW on the trainable parameters, or on their fp32 masters when the module computes
+        in a lower precision (`realrl.backends.mixed_precision`)."""
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        if any(p.dtype != torch.float32 for p in trainable):
+            self.master_weights = MasterWeights(trainable)
+            trainable = self.master_weights.masters
+        self.optimizer = torch.optim.AdamW(
+            trainable,
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            # One fused kernel instead of ~10 ops per tensor: 31 -> 6 ms per step for the
+            # 4M-parameter benchmark model on one CPU thread; same update up to fp32 rounding.
+            fused=self.module.device.type in ("cpu", "cuda"),
+        )
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_multiplier(step, total_optimizer_steps, config)
+        )
 
     @property
     def device(self) -> torch.device:
@@ -298,6 +198,7 @@ class TorchEngine:
         does not use is dropped when it ends.
         """
         packed_input_ids, cu_seqlens = packed_input_ids.to(self.device), cu_seqlens.to(self.device)
+        self.largest_forward_tokens = max(self.largest_forward_tokens, packed_input_ids.numel())
         if not keep:
             self.module.eval()
             with torch.no_grad():
@@ -325,6 +226,9 @@ class TorchEngine:
         self._kept, self._kept_weights = [], ()
 
         def forward(packed_input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+            self.largest_forward_tokens = max(
+                self.largest_forward_tokens, packed_input_ids.numel()
+            )
             for index, candidate in enumerate(kept):
                 if candidate.matches(packed_input_ids, cu_seqlens):
                     reused.append(index)
@@ -336,7 +240,10 @@ class TorchEngine:
     def train_microbatches(self, microbatches: Sequence[SequenceSample], loss_fn: LossFn) -> dict:
         """One optimizer step over `microbatches`; `loss_fn` returns each one's share of the
         whole-batch loss. Returns the summed stats plus `grad_norm`, `lr` and `forward_reused`
-        (the fraction of micro-batches that took a kept forward, see `forward`)."""
+        (the fraction of micro-batches that took a kept forward, see `forward`).
+
+        A low-precision module's gradients are summed in fp32 and the step is taken on its fp32
+        masters, then rounded into its weights (`realrl.backends.mixed_precision`)."""
         assert self.optimizer is not None, "train_microbatches on a frozen model"
         self.module.train()
         buckets = self._gradient_buckets()
@@ -359,6 +266,8 @@ class TorchEngine:
         grad_norm = self._clip_gradients(self.optimizer_config.gradient_clipping, buckets)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        if self.master_weights is not None:
+            self.master_weights.copy_to_module()
         self.lr_scheduler.step()
         totals["grad_norm"] = float(grad_norm)
         totals["forward_reused"] = len(reused) / max(len(microbatches), 1)
@@ -371,7 +280,11 @@ class TorchEngine:
         group = self.parallel.dp_group
         if group is None or self.parallel.dp_size == 1:
             return None
-        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        masters = self.master_weights
+        if masters is not None:  # the buckets hold the masters' fp32 main gradients
+            parameters = masters.masters
+        else:
+            parameters = [p for p in self.module.parameters() if p.requires_grad]
         buckets = self.gradient_buckets
         if buckets is None or [id(p) for p in buckets.parameters] != [id(p) for p in parameters]:
             if buckets is not None:
@@ -381,15 +294,23 @@ class TorchEngine:
                 group,
                 GRADIENT_BUCKET_BYTES,
                 use_shared_memory=environment.shared_memory_enabled(),
+                hook_backward=masters is None,
             )
+            if masters is not None:
+                masters.on_gradient = buckets.gradient_done
             self.gradient_buckets = buckets
         return buckets
 
     def _clip_gradients(self, max_norm: float, buckets: GradientBuckets | None) -> float:
         """Scale gradients to a global L2 norm of at most `max_norm` (no clipping when <= 0), as
         `torch.nn.utils.clip_grad_norm_` does, over the full (unsharded) model; returns the norm
-        before clipping. Costs one host sync, once per optimizer step."""
-        with_grads = [p for p in self.module.parameters() if p.grad is not None]
+        before clipping. Costs one host sync, once per optimizer step. A low-precision module's
+        gradients are its masters' fp32 main gradients."""
+        if self.master_weights is not None:
+            pairs = zip(self.master_weights.parameters, self.master_weights.masters, strict=True)
+        else:
+            pairs = ((p, p) for p in self.module.parameters())
+        with_grads = [(p, holder) for p, holder in pairs if holder.grad is not None]
         if not with_grads:
             return 0.0
         tp_group = self.parallel.tp_group if self.parallel.tp_size > 1 else None
@@ -399,8 +320,8 @@ class TorchEngine:
             grads = buckets.buckets
             is_sharded = [False] * len(grads)
         else:
-            grads = [p.grad for p in with_grads]
-            is_sharded = [id(p) in self.sharded_parameter_ids for p in with_grads]
+            grads = [holder.grad for _, holder in with_grads]
+            is_sharded = [id(p) in self.sharded_parameter_ids for p, _ in with_grads]
         squared = torch.stack(
             [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]
         )  # [num_gradient_tensors]
@@ -414,16 +335,38 @@ class TorchEngine:
         return total_norm
 
     def state_for_checkpoint(self) -> dict:
+        """Optimizer, LR schedule and, for a low-precision module, the fp32 master weights
+        (its bf16 weights alone would lose what the masters hold below one bf16 spacing)."""
         state = {}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self.master_weights is not None:
+            state["master_weights"] = self.master_weights.state_dict()
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
+        """Restore `state_for_checkpoint`'s state. Saved fp32 masters become the masters (and,
+        rounded, the weights); an fp32 module resuming a bf16 run takes them as its weights."""
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.optimizer is None or "master_weights" not in state:
+            return
+        if self.master_weights is not None:
+            self.master_weights.load_state_dict(state["master_weights"])
+            return
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        check_saved_masters(state["master_weights"], trainable)
+        with torch.no_grad():
+            torch._foreach_copy_(trainable, [m.to(self.device) for m in state["master_weights"]])
+
+    def weights_written(self) -> None:
+        """The module's weights were written outside the optimizer (a checkpoint's weights
+        loaded into it): the fp32 masters of a low-precision module take them, exactly.
+        `load_checkpoint_state` may then replace them with saved masters."""
+        if self.master_weights is not None:
+            self.master_weights.copy_from_module()
 
 
 def sharded_parameter_ids(module: torch.nn.Module) -> set[int]:

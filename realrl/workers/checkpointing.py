@@ -158,6 +158,7 @@ def load_worker_state(worker, directory: str) -> None:
             )
         for name, target in engine.module.named_parameters():
             target.copy_(loaded[name])
+        engine.weights_written()  # a bf16 role's fp32 masters take them (saved ones may follow)
         if engine.optimizer is not None and (role_dir / SCHEDULE_FILE).is_file():
             _resume_schedule_only(engine, torch.load(role_dir / SCHEDULE_FILE, weights_only=False))
         elif engine.optimizer is not None:

@@ -337,6 +337,12 @@ class Master:
                 heads.append(rank in allocation.dp_head_ranks())
         replies = await asyncio.gather(*requests)
         compute_s = max(reply.header.get("compute_s", 0.0) for reply in replies)
+        # The largest peak over the call's ranks (and rounds; `realrl.workers.memory_watch`).
+        peak_key = f"{mfc.name}{'/forward' if ahead else ''}/peak_memory_gb"
+        result.stats[peak_key] = max(
+            [result.stats.get(peak_key, 0.0)]
+            + [reply.header.get("peak_memory_gb", 0.0) for reply in replies]
+        )
         if ahead:
             result.compute[f"{mfc.name}/forward"] = compute_s
             return

@@ -28,6 +28,18 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def parameter_dtype(spec: ModelSpec) -> torch.dtype:
+    """The torch dtype of `spec`'s parameters. `resolve_config` fills every null `<role>.dtype`,
+    so a null here is a config that skipped resolution (a programming error)."""
+    if spec.config.dtype is None:
+        raise ValueError(
+            f"model role {spec.role!r} has dtype null: resolve the experiment config with "
+            "`realrl.api.config.resolve_config` (or call its `resolve_dtypes()`) before "
+            "building the plan"
+        )
+    return DTYPES[spec.config.dtype.value]
+
+
 def shard_module(full: Transformer, parallel: ParallelContext) -> Transformer:
     """`full`'s tensor-parallel shard for `parallel.tp_rank`, with layers on `parallel.tp_group`
     (the full module itself when the tp size is 1)."""
@@ -57,7 +69,7 @@ def load_engine(
     module = load_pretrained(
         spec.config.path,
         critic=spec.kind == ModelKind.critic,
-        dtype=DTYPES[spec.config.dtype.value],
+        dtype=parameter_dtype(spec),
         device=device,
     )
     module.share_prefixes = spec.config.share_prefixes

@@ -30,6 +30,7 @@ from realrl.workers import checkpointing
 from realrl.workers.core_share import CoreShare
 from realrl.workers.heap_freeze import HeapFreezer
 from realrl.workers.malloc import retain_freed_memory
+from realrl.workers.memory_watch import MemoryWatch
 from realrl.workers.realloc import ProcessGroups, share_replica_weights, transfer_parameters
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import LayoutKey, RunPlan
@@ -70,6 +71,12 @@ class ModelWorker:
         # transfer with `post_send`); waited for before any request but an MFC.
         self.pending_sends: list[dist.Work] = []
         self._build()
+        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
+        # Each call's peak memory, and a hint when it nears this worker's share.
+        limit_gb = plan.base.worker_memory_gb
+        self.memory = MemoryWatch(device, plan.base.n_devices_per_node,
+                                  limit_bytes=None if limit_gb is None else int(limit_gb * 2**30))
 
     def _build(self) -> None:
         from realrl.workers.model_loading import load_engine
@@ -157,11 +164,15 @@ class ModelWorker:
                   MFCKind.train_step: interface.train_step}[mfc.kind]
         if message.header.get("ahead"):
             method = interface.train_forward  # the train call's forward (MFCDef.forward_keys)
+        torch_engine = engine if isinstance(engine, TorchEngine) else None
+        self.memory.start(torch_engine)
         started = time.perf_counter()
         result = method(engine, data, mfc.microbatch)
+        compute_s = time.perf_counter() - started
+        peak_gb = self.memory.stop(mfc.name, mfc.kind == MFCKind.generate, torch_engine)
         if any(isinstance(hook, OffloadHook) for hook in mfc.post_hooks):
             engine.offload()
-        header = {"stats": result.stats, "compute_s": time.perf_counter() - started}
+        header = {"stats": result.stats, "compute_s": compute_s, "peak_memory_gb": peak_gb}
         if result.data is None or self.rank not in self.plan.allocations[mfc.name].dp_head_ranks():
             return message.reply(header)
         output = result.data.rename(mfc.output_key_remap) if mfc.output_key_remap else result.data

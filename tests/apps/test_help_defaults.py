@@ -26,8 +26,6 @@ EXPERIMENTS = [entry.name for entry in list_experiments()]
 RESOLVED_AT_LAUNCH = {
     "experiment_name",  # "" = the registered experiment's name
     "n_devices_per_node",  # 0 = detect this machine's GPUs or cores
-    # Run-wide precision (lead: add here after merging the precision branch): `dtype` and each
-    # `<role>.dtype` whose default null means "inherit" are resolved at config resolution.
 }
 HELP_LINE = re.compile(r"^  (?P<key>\S+) : .* = (?P<default>.*)$")
 
@@ -67,10 +65,15 @@ def test_help_shows_the_defaults_a_dry_run_resolves(experiment):
     entry = get_experiment(experiment)
     assert set(shown) == {info.key for info in iter_fields(entry.config_class)}
     resolved = _dry_run_values(experiment)
+    # A role's `dtype` shows null ("inherit") and resolves to the run-wide `dtype` (a linked
+    # role's to its source's, which is the run-wide one by default).
+    inherited = {key for key, default in shown.items() if key.endswith(".dtype") and default is None}
+    assert inherited, f"{experiment} has no model role with an inherited dtype"
+    assert {_lookup(resolved, key) for key in inherited} == {shown["dtype"]}
     wrong = {
         key: (default, _lookup(resolved, key))
         for key, default in shown.items()
-        if key not in RESOLVED_AT_LAUNCH and default != _lookup(resolved, key)
+        if key not in RESOLVED_AT_LAUNCH | inherited and default != _lookup(resolved, key)
     }
     assert not wrong, f"{experiment}: key: (--help default, --dry-run value): {wrong}"
 

@@ -40,3 +40,12 @@ def test_role_share_prefixes_key_reaches_the_loaded_module_of_that_role_only(tmp
     actor, reference = _load_actor_and_reference(tmp_path, "ref.share_prefixes=false")
     assert actor.module.share_prefixes  # on by default
     assert not reference.module.share_prefixes
+
+
+def test_actor_dtype_loads_the_reference_in_it_too_and_masters_for_the_actor_only(tmp_path):
+    import torch
+
+    actor, reference = _load_actor_and_reference(tmp_path, "actor.dtype=bfloat16")
+    assert actor.module.dtype == reference.module.dtype == torch.bfloat16
+    assert {m.dtype for m in actor.master_weights.masters} == {torch.float32}
+    assert reference.master_weights is None and reference.optimizer is None

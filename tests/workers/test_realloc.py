@@ -18,6 +18,7 @@ from realrl.api.dfg import MFCDef, ParamReallocHook
 from realrl.api.experiment import (
     DatasetConfig,
     DatasetKind,
+    DType,
     ModelKind,
     ModelRoleConfig,
     ModelSpec,
@@ -57,7 +58,7 @@ def make_plan(model_path, layouts, eta, world):
         ranks, strategy = ranks_and_strategy(layout)
         return MFCAllocation(name, DeviceMesh(1, world, tuple(ranks)), strategy)
 
-    config = ModelRoleConfig(path=str(model_path))
+    config = ModelRoleConfig(path=str(model_path), dtype=DType.float32)
     mfcs = [
         MFCDef("actor_gen", "actor", "generate", "ppo_actor", None, ("p",), ("x",)),
         MFCDef("ref_inf", "ref", "inference", "reference", None, ("x",), ("r",)),

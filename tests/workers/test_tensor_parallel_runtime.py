@@ -22,6 +22,7 @@ from realrl.api.dfg import MFCDef, MicroBatchSpec
 from realrl.api.experiment import (
     DatasetConfig,
     DatasetKind,
+    DType,
     ModelKind,
     ModelRoleConfig,
     ModelSpec,
@@ -49,7 +50,7 @@ def make_plan(model_path: str) -> RunPlan:
     # Adam eps 1e-4 keeps near-zero gradients (float noise between layouts) from becoming
     # full-size updates, as in the other data-parallel invariance tests.
     optimizer = OptimizerConfig(lr=1e-3, eps=1e-4, gradient_clipping=MAX_GRAD_NORM)
-    config = ModelRoleConfig(path=model_path, optimizer=optimizer)
+    config = ModelRoleConfig(path=model_path, dtype=DType.float32, optimizer=optimizer)
     mfc = MFCDef("sft_train", "actor", "train_step", "sft", None, SFT_KEYS, ())
     mesh = DeviceMesh(1, WORLD, tuple(range(WORLD)))
     return RunPlan(
