@@ -138,6 +138,9 @@ class TorchEngine:
         self.largest_forward_tokens = 0
         # fp32 masters of a low-precision module's trainable parameters (None in fp32).
         self.master_weights: MasterWeights | None = None
+        # fp32 copies of a frozen low-precision module's weights that EMA updates blend into
+        # (`ema_master`), by parameter name; made at the first blend.
+        self.ema_masters: dict[str, torch.Tensor] = {}
         if optimizer_config is not None:
             self._build_optimizer(optimizer_config, total_optimizer_steps)
         else:
@@ -336,13 +339,16 @@ class TorchEngine:
 
     def state_for_checkpoint(self) -> dict:
         """Optimizer, LR schedule and, for a low-precision module, the fp32 master weights
-        (its bf16 weights alone would lose what the masters hold below one bf16 spacing)."""
+        (its bf16 weights alone would lose what the masters hold below one bf16 spacing) or
+        the fp32 EMA masters of a frozen one. Empty for a frozen module without EMA masters."""
         state = {}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         if self.master_weights is not None:
             state["master_weights"] = self.master_weights.state_dict()
+        if self.ema_masters:
+            state["ema_masters"] = dict(self.ema_masters)
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
@@ -351,6 +357,8 @@ class TorchEngine:
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "ema_masters" in state:
+            self._load_ema_masters(state["ema_masters"])
         if self.optimizer is None or "master_weights" not in state:
             return
         if self.master_weights is not None:
@@ -363,10 +371,44 @@ class TorchEngine:
 
     def weights_written(self) -> None:
         """The module's weights were written outside the optimizer (a checkpoint's weights
-        loaded into it): the fp32 masters of a low-precision module take them, exactly.
-        `load_checkpoint_state` may then replace them with saved masters."""
+        loaded into it): the fp32 masters of a low-precision module take them, exactly, and
+        EMA masters are made again from them at the next blend. `load_checkpoint_state` may
+        then replace either with saved ones."""
         if self.master_weights is not None:
             self.master_weights.copy_from_module()
+        self.ema_masters = {}
+
+    def ema_master(self, name: str) -> torch.Tensor | None:
+        """The fp32 copy of frozen low-precision parameter `name` that an EMA update
+        (`target = eta * source + (1 - eta) * target`, `realrl.workers.realloc`) blends into
+        before rounding into the weight; None for an fp32 or a trained module.
+
+        Why: an EMA step moves a weight by `eta * (source - target)`, far below half a bf16
+        spacing for the small etas EMA references use, so blending into the bf16 weight itself
+        rounds every step away and the reference never moves. The copy costs 4 bytes per
+        parameter of the EMA target's owning layout, and checkpoints keep it."""
+        if self.optimizer is not None or self.module.dtype == torch.float32:
+            return None
+        master = self.ema_masters.get(name)
+        if master is None:
+            parameter = dict(self.module.named_parameters())[name]
+            master = self.ema_masters[name] = parameter.detach().to(torch.float32, copy=True)
+        return master
+
+    def _load_ema_masters(self, saved: dict[str, torch.Tensor]) -> None:
+        parameters = dict(self.module.named_parameters())
+        wrong = sorted(name for name, tensor in saved.items()
+                       if name not in parameters or parameters[name].shape != tensor.shape)
+        if wrong:
+            raise ValueError(
+                f"the checkpoint's fp32 EMA masters do not fit this model ({wrong[:3]}): resume "
+                "with the model and tensor-parallel layout that wrote the checkpoint"
+            )
+        with torch.no_grad():
+            self.ema_masters = {name: tensor.to(self.device, torch.float32)
+                                for name, tensor in saved.items()}
+            for name, master in self.ema_masters.items():
+                parameters[name].copy_(master)
 
 
 def sharded_parameter_ids(module: torch.nn.Module) -> set[int]:

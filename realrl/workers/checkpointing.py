@@ -90,6 +90,8 @@ def _save_role(worker, owner, role_dir: Path) -> None:
         model.load_state_dict(full, strict=True, assign=True)
         save_pretrained(model, role_dir, tokenizer=engine.tokenizer)
     if engine.optimizer is None:
+        if engine.ema_masters:  # a bf16 EMA reference's fp32 masters
+            torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine.parallel))
         return
     if not plan.base.checkpoint.weights_only:
         torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine.parallel))
@@ -161,7 +163,7 @@ def load_worker_state(worker, directory: str) -> None:
         engine.weights_written()  # a bf16 role's fp32 masters take them (saved ones may follow)
         if engine.optimizer is not None and (role_dir / SCHEDULE_FILE).is_file():
             _resume_schedule_only(engine, torch.load(role_dir / SCHEDULE_FILE, weights_only=False))
-        elif engine.optimizer is not None:
+        elif engine.optimizer is not None or (role_dir / optimizer_file_name(parallel)).is_file():
             engine.load_checkpoint_state(
                 torch.load(_optimizer_path(role_dir, parallel), weights_only=False)
             )

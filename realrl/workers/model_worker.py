@@ -102,7 +102,11 @@ class ModelWorker:
             engine = load_engine(spec, parallel, trains=trains,
                                  total_optimizer_steps=self.plan.base.total_train_steps * steps_per_call,
                                  seed=self.plan.base.seed * 1000 + replica_rank)
-            shared = share_replica_weights(engine, layout, trains)
+            # A bf16 EMA target blends into fp32 masters of its own (`TorchEngine.ema_master`).
+            ema_target = (layout == self.plan.owner_layout(layout.role)
+                          and layout.role in {hook.target_role for _, hook in self.plan.ema_hooks()}
+                          and engine.module.dtype != torch.float32)
+            shared = share_replica_weights(engine, layout, private=trains or ema_target)
             if cores := self.cores:
                 cores.attach(engine.module)
             self.models[layout] = HostedModel(layout, engine)

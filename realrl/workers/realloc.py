@@ -106,12 +106,13 @@ def shared_writer(source: LayoutKey, target: LayoutKey) -> int:
     return receiver_ranks(source, target)[0]
 
 
-def share_replica_weights(engine: TorchEngine, layout: LayoutKey, trains: bool) -> bool:
+def share_replica_weights(engine: TorchEngine, layout: LayoutKey, private: bool) -> bool:
     """Collective over `layout`'s data-parallel group: make its replicas share one copy of their
-    weights where that applies (a frozen CPU layout with data parallelism and no tensor
-    parallelism, shared memory on). Whether they do."""
+    weights where that applies (a CPU layout with data parallelism and no tensor parallelism,
+    shared memory on, not `private`: each replica of a trained layout, or of a bf16 EMA target
+    with its fp32 EMA masters, keeps its own). Whether they do."""
     strategy = ParallelStrategy.parse(layout.strategy)
-    if (trains or strategy.tensor > 1 or strategy.data < 2 or engine.device.type != "cpu"
+    if (private or strategy.tensor > 1 or strategy.data < 2 or engine.device.type != "cpu"
             or not environment.shared_memory_enabled()):
         return False
     engine.shared_weights = shared_memory.share_replica_weights(
@@ -302,11 +303,19 @@ def _broadcast_bucket(
 
 
 @torch.no_grad()
-def _blend(target: torch.Tensor, source: torch.Tensor, eta: float) -> None:
+def _blend(engine: TorchEngine, name: str, target: torch.Tensor, source: torch.Tensor,
+           eta: float) -> None:
+    """`target = eta * source + (1 - eta) * target` for `engine`'s parameter `name`; a frozen
+    bf16 target blends in its fp32 EMA master and takes it rounded (`TorchEngine.ema_master`)."""
     if eta == 1.0:
         target.copy_(source)
-    else:
-        target.copy_((eta * source.float() + (1.0 - eta) * target.float()).to(target.dtype))
+        return
+    master = engine.ema_master(name)
+    base = master if master is not None else target.float()
+    blended = eta * source.float() + (1.0 - eta) * base
+    if master is not None:
+        master.copy_(blended)
+    target.copy_(blended)
 
 
 @torch.no_grad()
@@ -319,7 +328,7 @@ def _blend_full_into(
         full = shard_state_dict(full, tensor_rank(target, rank), size, engine.module.config)
     parameters = dict(engine.module.named_parameters())
     for name, tensor in full.items():
-        _blend(parameters[name], tensor.to(parameters[name].device), eta)
+        _blend(engine, name, parameters[name], tensor.to(parameters[name].device), eta)
 
 
 def gather_full_parameters(
@@ -370,10 +379,11 @@ def transfer_parameters(
         )
     # Local blends come last: in shared memory the receivers read the sender's buffer meanwhile.
     if rank in local_ranks(source, target) and writes:
-        for target_param, source_param in zip(
-            target_engine.module.parameters(), source_engine.module.parameters(), strict=True
+        for (name, target_param), source_param in zip(
+            target_engine.module.named_parameters(), source_engine.module.parameters(),
+            strict=True,
         ):
-            _blend(target_param, source_param, eta)
+            _blend(target_engine, name, target_param, source_param, eta)
     if released is not None:
         if pending is not None:
             pending.append(released)

@@ -108,7 +108,7 @@ def build_engine(model_path, plan, layout, rank, groups, trained: bool) -> Torch
             for parameter in full.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator))
     engine = TorchEngine(shard_module(full, parallel), None, parallel)
-    if share_replica_weights(engine, layout, trains=trained):  # as a model worker does
+    if share_replica_weights(engine, layout, private=trained):  # as a model worker does
         SHARED_LAYOUTS.add(layout)
     return engine
 
