@@ -248,6 +248,11 @@ class BaseExperimentConfig:
         "limit, the smaller) divided by the workers on the node.",
     )
 
+    def one_pass_allowed(self) -> bool:
+        """Whether `total_train_steps=0` means one pass over the data, every record once, the
+        last batch partial (`gen`); the master counts the steps once the data is loaded."""
+        return False
+
     def model_path_links(self) -> dict[str, str]:
         """Roles whose empty path takes another role's path (and whose null dtype takes that
         role's dtype), e.g. {"ref": "actor"}; experiments override it."""
@@ -288,7 +293,7 @@ class BaseExperimentConfig:
                 "`n_devices_per_node=0` (detect) only works with mode=local: with mode=slurm set "
                 "the GPUs (or worker processes) per node, e.g. `n_devices_per_node=8`."
             )
-        if self.total_train_steps < 1:
+        if self.total_train_steps < (0 if self.one_pass_allowed() else 1):
             problems.append(f"`total_train_steps={self.total_train_steps}` must be at least 1.")
         if self.save_freq_steps < 0:
             problems.append(f"`save_freq_steps={self.save_freq_steps}` must be >= 0.")

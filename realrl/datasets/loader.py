@@ -286,9 +286,14 @@ class EpochIterator:
     order. The state is ``(epoch, position)``, position counting samples already served in the
     epoch, so a resumed iterator serves exactly the batches an uninterrupted one would, and a
     run resumed with a different batch size continues from the same sample.
+
+    Without `drop_last` an epoch's last batch is partial; one that would hold fewer than
+    `min_batch_size` samples (the data-parallel size that must split it) is served with the
+    batch before it instead.
     """
 
-    def __init__(self, dataset_size: int, batch_size: int, seed: int, drop_last: bool = True):
+    def __init__(self, dataset_size: int, batch_size: int, seed: int, drop_last: bool = True,
+                 min_batch_size: int = 1):
         if batch_size < 1 or dataset_size < 1:
             raise ValueError(
                 f"need dataset_size >= 1 and batch_size >= 1, got {dataset_size} and {batch_size}"
@@ -298,19 +303,35 @@ class EpochIterator:
                 f"batch_size={batch_size} exceeds the dataset's {dataset_size} records, so with "
                 "drop_last=True no batch would ever be served; lower the batch size"
             )
+        if dataset_size < min_batch_size:
+            raise ValueError(
+                f"the dataset's {dataset_size} records cannot be split over {min_batch_size} "
+                "data-parallel ranks (each needs one); use fewer workers or more records"
+            )
         self.dataset_size, self.batch_size = dataset_size, batch_size
         self.seed, self.drop_last = seed, drop_last
+        self.min_batch_size = min_batch_size
         self.epoch, self.position = 0, 0
         self._order: list[int] | None = None
 
     @property
     def batches_per_epoch(self) -> int:
         full, remainder = divmod(self.dataset_size, self.batch_size)
-        return full + (1 if remainder and not self.drop_last else 0)
+        if self.drop_last or not remainder:
+            return full
+        return full + (1 if remainder >= self.min_batch_size or full == 0 else 0)
 
     def _epoch_exhausted(self) -> bool:
         remaining = self.dataset_size - self.position
         return remaining < self.batch_size if self.drop_last else remaining <= 0
+
+    def _next_batch_size(self) -> int:
+        """`batch_size`, or what is left of the epoch when too little would stay for one more
+        partial batch (without `drop_last`)."""
+        remaining = self.dataset_size - self.position
+        if not self.drop_last and 0 < remaining - self.batch_size < self.min_batch_size:
+            return remaining
+        return self.batch_size
 
     def _epoch_order(self) -> list[int]:
         if self._order is None:
@@ -322,7 +343,7 @@ class EpochIterator:
         """The next batch of dataset indices, starting a new epoch when this one is done."""
         if self._epoch_exhausted():
             self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        batch = self._epoch_order()[self.position : self.position + self.batch_size]
+        batch = self._epoch_order()[self.position : self.position + self._next_batch_size()]
         self.position += len(batch)
         return batch
 

@@ -39,11 +39,14 @@ class GenerationExperimentConfig(BaseExperimentConfig):
     gen: GenerationHyperparameters = help_field(GenerationHyperparameters(), "Generation.")
     n_samples: int = help_field(1, "Completions per prompt.")
     total_train_steps: int = help_field(
-        1, "Batches to generate for. Batches are drawn shuffled and whole (a remainder of "
-        "N % dataset.batch_size prompts waits for the next epoch), so N / dataset.batch_size "
-        "batches cover every prompt once when the batch size divides N."
+        0, "Batches to generate for; 0: one pass over the prompts, each once, in "
+        "ceil(N / dataset.batch_size) batches, the last one partial. A number of batches draws "
+        "whole shuffled batches epoch after epoch, as training does."
     )
     genDefault: MFCConfig = help_field(MFCConfig(), "MFC genDefault.")
+
+    def one_pass_allowed(self) -> bool:
+        return True
 
     def validate(self) -> list[str]:
         problems = super().validate() + self.dataset.validate("dataset") + self.gen.validate("gen")

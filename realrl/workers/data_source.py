@@ -90,8 +90,12 @@ class DataSource:
             self.dataset = PairedDataset(records, tokenizer, settings.max_seq_len, source, chat)
             self._make_batch = make_paired_batch
         log_text_format(settings.apply_chat_template, chat, tokenizer, self.dataset)
+        # total_train_steps=0 (`gen`): one pass, so the last, partial batch is served too, and
+        # joins the one before when it has fewer samples than an MFC has data-parallel ranks.
+        data_parallel = max(a.strategy.data for a in plan.allocations.values())
         self.iterator = EpochIterator(len(self.dataset), settings.batch_size, plan.base.seed,
-                                      drop_last=True)
+                                      drop_last=plan.base.total_train_steps > 0,
+                                      min_batch_size=data_parallel)
         logger.info("%s: %d records, batch size %d, %d batches per epoch", source,
                     len(self.dataset), settings.batch_size, self.iterator.batches_per_epoch)
 

@@ -16,11 +16,10 @@ from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 from realrl.api.config import RecoverMode
-from realrl.api.experiment import ModelKind
 from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import recovery
 from realrl.workers.core_share import unlink_mapped_share_file
-from realrl.workers.data_source import DataSource
+from realrl.workers.data_source import DataSource, tokenizer_path
 from realrl.workers.heap_freeze import HeapFreezer
 from realrl.workers.master import Master, StepResult
 from realrl.workers.metrics_log import MetricsLogger
@@ -60,19 +59,16 @@ def step_metrics(result: StepResult, step_seconds: float, rollout_wait_s: float 
     return metrics
 
 
-def _tokenizer_path(plan: RunPlan) -> str:
-    for spec in plan.models.values():
-        if spec.kind == ModelKind.lm and spec.config is not None:
-            return spec.config.path
-    return next(s.config.path for s in plan.models.values() if s.config is not None)
-
-
 async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) -> None:
     secret = load_run_secret(run_dir)
     clients = {rank: AsyncClient(address, secret) for rank, address in addresses.items()}
     master = Master(plan, clients)
-    tokenizer = load_tokenizer(_tokenizer_path(plan))
+    tokenizer = load_tokenizer(tokenizer_path(plan.models))
     data = DataSource(plan, tokenizer)
+    if plan.base.total_train_steps == 0:  # `gen`: one pass over the data
+        plan.base.total_train_steps = data.iterator.batches_per_epoch
+        logger.info("total_train_steps=0: one pass over the data, %d steps",
+                    plan.base.total_train_steps)
     first_step = 0
     if plan.base.recover_mode != RecoverMode.disabled:
         checkpoint = recovery.latest_complete_checkpoint(run_dir)

@@ -134,3 +134,17 @@ def test_iterator_refuses_a_checkpoint_with_another_seed_or_size():
         EpochIterator(13, 4, seed=7).load_state_dict(state)
     with pytest.raises(ValueError, match="batch_size=5 exceeds the dataset's 4 records"):
         EpochIterator(4, 5, seed=0)
+
+
+def test_epoch_iterator_without_drop_last_serves_every_sample_once_per_epoch():
+    # 5 samples in batches of 2: [2, 2, 1]; a last batch of 1 cannot be split over 2
+    # data-parallel ranks, so with min_batch_size=2 it joins the one before: [2, 3].
+    for min_batch_size, sizes in ((1, [2, 2, 1]), (2, [2, 3])):
+        iterator = EpochIterator(5, 2, seed=0, drop_last=False, min_batch_size=min_batch_size)
+        assert iterator.batches_per_epoch == len(sizes)
+        batches = [iterator.next_batch() for _ in sizes]
+        assert [len(batch) for batch in batches] == sizes
+        assert sorted(i for batch in batches for i in batch) == list(range(5))
+        assert iterator.next_batch() and iterator.epoch == 1  # the next epoch starts whole
+    with pytest.raises(ValueError, match="cannot be split over 4 data-parallel ranks"):
+        EpochIterator(3, 2, seed=0, drop_last=False, min_batch_size=4)

@@ -99,3 +99,22 @@ def check_generated_jsonl(run_dir, num_prompts: int, dataset_prompts: list[str] 
     assert len(set(query_ids)) == num_prompts
     if dataset_prompts is not None:
         assert [line["prompt"] for line in lines[::2]] == dataset_prompts
+
+
+def test_gen_by_default_covers_every_prompt_once_with_a_partial_last_batch(
+    tiny_model, cli_env, tmp_path
+):
+    """`total_train_steps=0` (gen's default): 5 prompts in batches of 2 on 2 workers. A last
+    batch of 1 prompt cannot be split over 2 data-parallel ranks, so it joins the one before:
+    2 steps of 2 and 3 prompts, every prompt once."""
+    data = tmp_path / "prompts.jsonl"
+    prompts = [f"{first}+{first + 1}=" for first in range(1, 6)]
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
+    result = run_cli("gen", [
+        f"model.path={tiny_model}", f"output_root={tmp_path / 'runs'}", f"dataset.path={data}",
+        "dataset.batch_size=2", "n_devices_per_node=2", "gen.max_new_tokens=4", "n_samples=2",
+    ], cli_env)
+    assert result.returncode == 0, describe(result)
+    run_dir = tmp_path / "runs" / "gen" / "trial0"
+    assert [record["step"] for record in read_metrics(run_dir)] == [1, 2]
+    check_generated_jsonl(run_dir, len(prompts), prompts)
