@@ -48,8 +48,10 @@ RECOVERABLE_PPO = [
     "ppo.value_norm=true",
     "ref_ema_eta=0.5",
 ]
-# Metrics that depend on wall-clock time differ between any two runs.
+# Metrics that depend on wall-clock time, or on the process's memory (a resumed process has
+# run fewer steps), differ between any two runs.
 TIMING_PREFIXES = ("timing/", "perf/", "actor_gen/generated_tokens_per_s")
+MEMORY_SUFFIX = "peak_memory_gb"
 
 
 def final_weights(run_dir, role: str) -> dict[str, torch.Tensor]:
@@ -59,7 +61,8 @@ def final_weights(run_dir, role: str) -> dict[str, torch.Tensor]:
 
 
 def without_timing(record: dict) -> dict:
-    return {key: value for key, value in record.items() if not key.startswith(TIMING_PREFIXES)}
+    return {key: value for key, value in record.items()
+            if not key.startswith(TIMING_PREFIXES) and not key.endswith(MEMORY_SUFFIX)}
 
 
 @pytest.mark.slow
