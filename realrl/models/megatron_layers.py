@@ -19,8 +19,8 @@ Layout of the weights (what `realrl.models.tensor_parallel.shard_state_dict` pro
 - LM head: column-parallel over the vocabulary, the same slices; a tied head owns no weight
   (`skip_weight_param_allocation=True`) and multiplies by the embedding's.
 megatron marks every split parameter with `tensor_model_parallel=True` (and `partition_dim`),
-which `realrl.backends.torch_engine.sharded_parameter_ids` reads. (It marks a split weight when
-it initialises it; the factory leaves weights uninitialised and marks them itself.)
+which `realrl.backends.torch_engine.sharded_parameter_ids` reads. (0.16 marks a split weight
+only when it initialises it; the factory leaves weights uninitialised and marks them itself.)
 
 The LM head returns this rank's vocabulary slice of the logits [..., vocab / tp]: training and
 inference read log-probabilities and entropies off the slices (`vocab_parallel_shifted_logprobs`,
@@ -83,9 +83,10 @@ def _not_initialised(weight: torch.Tensor) -> None:
 
 
 def _marked_split(layer: nn.Module, partition_dim: int) -> nn.Module:
-    """`layer` with its weight marked split along `partition_dim`, as megatron's
-    `_initialize_affine_weight_cpu` marks the weights it initialises (biases it always marks)."""
-    if layer.weight is not None:
+    """`layer` with its weight marked split along `partition_dim`, as megatron-core 0.16's
+    `_initialize_affine_weight_cpu` marks the weights it initialises (biases it always marks;
+    0.19 marks uninitialised weights too)."""
+    if layer.weight is not None and not hasattr(layer.weight, "tensor_model_parallel"):
         megatron_tp.set_tensor_model_parallel_attributes(layer.weight, True, partition_dim, 1)
     return layer
 
