@@ -282,10 +282,12 @@ def compare_imports(args) -> dict:
 
 
 def compare_ppo_math(args, trees: dict[str, Path]) -> dict:
-    """The default 2-worker ppo-math run at both revisions, alternating."""
+    """The default 2-worker ppo-math run at both revisions, alternating in ABBA order (a run
+    that follows another may inherit its exit's load). `cpu_s`: user + system seconds of the
+    whole process tree, which background load changes less than wall time."""
     runs: dict[str, list[dict]] = {name: [] for name in IMPLEMENTATIONS}
     for repeat in range(args.repeats):
-        for name in IMPLEMENTATIONS:
+        for name in IMPLEMENTATIONS[:: 1 if repeat % 2 == 0 else -1]:
             output_root = Path(args.work_dir) / f"ppo-math-{name}-r{repeat}"
             command = [
                 sys.executable,
@@ -298,20 +300,34 @@ def compare_ppo_math(args, trees: dict[str, Path]) -> dict:
                 "tensorboard=false",
             ]
             env = {**os.environ, "PYTHONPATH": str(trees[name])}
-            started = time.perf_counter()
+            started, cpu_before = time.perf_counter(), children_cpu_s()
             subprocess.run(
                 command, env=env, cwd=trees[name].parent, check=True, capture_output=True
             )
-            wall_s = time.perf_counter() - started
+            wall_s, cpu_s = time.perf_counter() - started, children_cpu_s() - cpu_before
             metrics = output_root / "ppo-math" / "trial0" / "metrics.jsonl"
             steps = [json.loads(line)["timing/step_s"] for line in metrics.read_text().splitlines()]
-            runs[name].append({"step_s": statistics.median(steps[1:]), "wall_s": wall_s})
+            runs[name].append(
+                {"step_s": statistics.median(steps[1:]), "wall_s": wall_s, "cpu_s": cpu_s}
+            )
             print(f"ppo-math repeat {repeat} {name}: {runs[name][-1]}", flush=True)
-    return {
-        name: {key: statistics.median(r[key] for r in results) for key in ("step_s", "wall_s")}
+    summary = {
+        name: {
+            key: statistics.median(r[key] for r in results) for key in ("step_s", "wall_s", "cpu_s")
+        }
         | {"per_run": results}
         for name, results in runs.items()
     }
+    # Runs next to each other share the machine's background load: compare them pairwise.
+    summary["paired_step_ratio"] = statistics.median(
+        new["step_s"] / own["step_s"] for own, new in zip(runs["own"], runs["megatron"])
+    )
+    return summary
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def compare(args) -> dict:
@@ -335,11 +351,15 @@ def print_table(report: dict) -> None:
         print_layers(report["layers"])
     for name, seconds in report.get("import_s", {}).items():
         print(f"import, {name}: {seconds:.2f} s (median, fresh process, after torch)")
-    for name, result in report.get("ppo_math", {}).items():
+    ppo_math = report.get("ppo_math", {})
+    for name in IMPLEMENTATIONS if ppo_math else ():
         print(
-            f"ppo-math, {name}: median step {1e3 * result['step_s']:.0f} ms, "
-            f"median run wall {result['wall_s']:.1f} s"
+            f"ppo-math, {name}: median step {1e3 * ppo_math[name]['step_s']:.0f} ms, "
+            f"median run wall {ppo_math[name]['wall_s']:.1f} s, "
+            f"CPU {ppo_math[name]['cpu_s']:.1f} s"
         )
+    if ppo_math:
+        print(f"ppo-math, median of paired step ratios: {ppo_math['paired_step_ratio']:.2f}")
 
 
 def print_layers(layers: dict) -> None:
