@@ -4,9 +4,11 @@
 `ColumnParallelLinear`, `RowParallelLinear` and `VocabParallelEmbedding`, each with an explicit
 `tp_group=`: nothing here reads megatron's `parallel_state` globals or calls
 `initialize_model_parallel`, so one process can hold several layouts of a model at once, each
-on its own tp group (realrl's layouts differ per MFC). Tested with megatron-core 0.16.1 on CPU
-(gloo) as shipped; the layers use none of megatron's globals (the global memory buffer is only
-read with sequence parallelism, which is not used).
+on its own tp group (realrl's layouts differ per MFC). They run on CPU (gloo) as shipped and use
+none of megatron's globals (the global memory buffer is only read with sequence parallelism,
+which is not used); megatron-core 0.15 and older read the global tp group regardless of
+`tp_group=`. Tested with 0.16.0, 0.16.1 and 0.17.1 (the range `pyproject.toml` pins), and 0.18.2
+and 0.19.2, which need triton to import.
 
 Layout of the weights (what `realrl.models.tensor_parallel.shard_state_dict` produces):
 - column-parallel (`qkv`, `gate_up`): weight [out / tp, in], bias [out / tp]; input replicated,
