@@ -49,6 +49,7 @@ wandb), so only a process that builds a tensor-parallel model imports this modul
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
@@ -58,9 +59,11 @@ from torch import nn
 from realrl.algo.layout import logit_row_chunks, prediction_rows
 from realrl.models.layers import LinearKind
 
-# Printed at import and on the first backward of each process; they concern CUDA-only fusions.
+# Printed at import and on the first backward of each process; they concern CUDA-only fusions
+# and Megatron-FSDP (imported by megatron.core, not used here).
 warnings.filterwarnings("ignore", "Transformer Engine and Apex are not installed", UserWarning)
 warnings.filterwarnings("ignore", "When using async grad allreduce", UserWarning)
+logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
 
 from megatron.core import tensor_parallel as megatron_tp  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
