@@ -119,7 +119,11 @@ def prediction_rows(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.arange(ids.numel(), device=cu_seqlens.device) + ids
 
 
-def _row_chunks(rows: torch.Tensor, vocab_size: int) -> list[torch.Tensor]:
+def logit_row_chunks(rows: torch.Tensor, vocab_size: int) -> list[torch.Tensor]:
+    """``rows`` in chunks of about `_LOGIT_CHUNK_ELEMENTS` logits of width ``vocab_size``: the
+    log-prob and entropy functions convert one chunk to fp32 at a time. Equal on every rank of a
+    tensor-parallel group (same rows, same vocabulary slice width), which the vocab-parallel
+    versions (`realrl.models.megatron_layers`) need: each chunk is one round of all-reduces."""
     rows_per_chunk = max(1, _LOGIT_CHUNK_ELEMENTS // max(vocab_size, 1))
     return list(torch.split(rows, rows_per_chunk))
 
@@ -136,7 +140,7 @@ class _ShiftedLogprobs(torch.autograd.Function):
         out = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
         log_normalisers = torch.empty_like(out)
         start = 0
-        for chunk in _row_chunks(rows, logits.shape[-1]):
+        for chunk in logit_row_chunks(rows, logits.shape[-1]):
             end = start + chunk.numel()
             chunk_logits = logits.index_select(0, chunk).float() / temperature  # [chunk, vocab]
             lse = torch.logsumexp(chunk_logits, dim=-1)
@@ -153,7 +157,7 @@ class _ShiftedLogprobs(torch.autograd.Function):
         logits, rows, labels, log_normalisers = ctx.saved_tensors
         grad_logits = torch.zeros_like(logits)
         start = 0
-        for chunk in _row_chunks(rows, logits.shape[-1]):
+        for chunk in logit_row_chunks(rows, logits.shape[-1]):
             end = start + chunk.numel()
             chunk_logits = logits.index_select(0, chunk).float() / ctx.temperature
             probs = torch.exp(chunk_logits - log_normalisers[start:end, None])
@@ -176,7 +180,7 @@ class _ShiftedEntropy(torch.autograd.Function):
         entropy = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
         log_normalisers = torch.empty_like(entropy)
         start = 0
-        for chunk in _row_chunks(rows, logits.shape[-1]):
+        for chunk in logit_row_chunks(rows, logits.shape[-1]):
             end = start + chunk.numel()
             chunk_logits = logits.index_select(0, chunk).float() / temperature
             lse = torch.logsumexp(chunk_logits, dim=-1)
@@ -193,7 +197,7 @@ class _ShiftedEntropy(torch.autograd.Function):
         logits, rows, log_normalisers, entropy = ctx.saved_tensors
         grad_logits = torch.zeros_like(logits)
         start = 0
-        for chunk in _row_chunks(rows, logits.shape[-1]):
+        for chunk in logit_row_chunks(rows, logits.shape[-1]):
             end = start + chunk.numel()
             chunk_logits = logits.index_select(0, chunk).float() / ctx.temperature
             probs = torch.exp(chunk_logits - log_normalisers[start:end, None])

@@ -46,11 +46,6 @@ from realrl.api.data import SequenceSample
 from realrl.api.experiment import LRScheduler, OptimizerConfig
 from realrl.backends.gradient_buckets import GradientBuckets
 from realrl.backends.mixed_precision import MasterWeights, check_saved_masters
-from realrl.models.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
 from realrl.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
@@ -412,12 +407,11 @@ class TorchEngine:
 
 
 def sharded_parameter_ids(module: torch.nn.Module) -> set[int]:
-    """ids of the parameters that tensor-parallel layers split across ranks (the rest, norms
-    and a row-parallel layer's bias included, are replicated)."""
-    ids: set[int] = set()
-    for submodule in module.modules():
-        if isinstance(submodule, (ColumnParallelLinear, VocabParallelEmbedding)):
-            ids.update(id(parameter) for parameter in submodule.parameters(recurse=False))
-        elif isinstance(submodule, RowParallelLinear):
-            ids.add(id(submodule.weight))
-    return ids
+    """ids of the parameters that tensor-parallel layers split across ranks: those megatron-core
+    marks `tensor_model_parallel` (`realrl.models.megatron_layers`). The rest, norms and a
+    row-parallel layer's bias included, are replicated."""
+    return {
+        id(parameter)
+        for parameter in module.parameters()
+        if getattr(parameter, "tensor_model_parallel", False)
+    }

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from realrl.algo.distributed_stats import all_reduce_sum
-from realrl.algo.layout import packed_shifted_logprobs, prediction_rows
+from realrl.algo.layout import prediction_rows
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.api.rl_config import GenerationHyperparameters
@@ -147,9 +147,9 @@ def shifted_logprobs(
     def compute(part: SequenceSample) -> SequenceSample:
         packed_input_ids = part.data["packed_input_ids"].to(engine.device)  # [total_tokens]
         cu_seqlens = part.cu_seqlens("packed_input_ids").to(engine.device)  # [num_seqs + 1]
-        logits = engine.forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab]
+        logits = engine.forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab (/ tp)]
         with torch.no_grad():
-            logprobs = packed_shifted_logprobs(logits, packed_input_ids, cu_seqlens)
+            logprobs = engine.module.shifted_logprobs(logits, packed_input_ids, cu_seqlens)
         return SequenceSample.from_tensors(
             ids=part.ids,
             seqlens={output_key: shifted_seqlens(part.seqlens["packed_input_ids"])},

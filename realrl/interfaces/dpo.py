@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from realrl.algo.distributed_stats import all_reduce_sum
 from realrl.algo.layout import (
-    packed_shifted_logprobs,
     response_mask,
     segment_sum,
     sequence_lengths,
@@ -87,8 +86,8 @@ class DPOInterface:
         def loss_fn(forward, part: SequenceSample):
             packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
             cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
-            logits = forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab]
-            logprobs = packed_shifted_logprobs(logits, packed_input_ids, cu_seqlens)
+            logits = forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab (/ tp)]
+            logprobs = engine.module.shifted_logprobs(logits, packed_input_ids, cu_seqlens)
             prompt_lens = part.data["prompt_lens"]  # [num_pairs]
             policy_sums = response_logprob_sums(logprobs, prompt_lens, cu_seqlens)
             reference_sums = response_logprob_sums(

@@ -21,7 +21,7 @@ import torch
 
 from realrl.algo.aggregation import aggregate_loss, loss_normaliser
 from realrl.algo.kl import kl_estimate
-from realrl.algo.layout import packed_entropy, packed_shifted_logprobs, response_mask
+from realrl.algo.layout import response_mask
 from realrl.algo.losses import entropy_bonus_loss, ppo_policy_loss
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
@@ -138,21 +138,23 @@ class PPOActorInterface:
                 )
 
                 def loss_fn(forward, part, normaliser=normaliser):
-                    return self._loss(forward, part, normaliser, mode)
+                    return self._loss(engine.module, forward, part, normaliser, mode)
 
                 step_stats.append(engine.train_microbatches(microbatches, loss_fn))
         stats = _reduce_train_stats(step_stats, means, group, device)
         stats.update(self.state.update_kl_controller(stats))
         return MFCResult(stats=stats)
 
-    def _loss(self, forward, part: SequenceSample, normaliser: torch.Tensor, mode: str):
-        """This micro-batch's share of the mini-batch loss, and its statistics as sums."""
+    def _loss(self, model, forward, part: SequenceSample, normaliser: torch.Tensor, mode: str):
+        """This micro-batch's share of the mini-batch loss, and its statistics as sums. `model`
+        reads log-probs and entropies off its logits (vocabulary slices under tensor
+        parallelism)."""
         ppo = self.ppo
         packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
         cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
         loss_mask = part.data["loss_mask"]  # [total_tokens - num_seqs]
-        logits = forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab]
-        logprobs = packed_shifted_logprobs(logits, packed_input_ids, cu_seqlens)
+        logits = forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab (/ tp)]
+        logprobs = model.shifted_logprobs(logits, packed_input_ids, cu_seqlens)
         policy = ppo_policy_loss(
             logprobs,
             part.data["old_logprobs"],
@@ -164,7 +166,7 @@ class PPOActorInterface:
             ratio_early_stop=ppo.ratio_early_stop,
         )
         entropy_logits = logits if ppo.entropy_coef != 0.0 else logits.detach()
-        entropy = packed_entropy(entropy_logits, cu_seqlens)  # [total_tokens - num_seqs]
+        entropy = model.shifted_entropy(entropy_logits, cu_seqlens)  # [total_tokens - num_seqs]
         per_token = policy.per_token_loss + entropy_bonus_loss(entropy, loss_mask, ppo.entropy_coef)
         kl_loss = torch.zeros_like(logprobs)
         if ppo.use_kl_loss and "ref_logprobs" in part.keys:

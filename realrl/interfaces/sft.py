@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from realrl.algo.aggregation import aggregate_loss, loss_normaliser
-from realrl.algo.layout import packed_shifted_logprobs
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
@@ -27,12 +26,13 @@ from realrl.interfaces.configs import SFTConfig
 INPUT_KEYS = ("packed_input_ids", "prompt_mask")
 
 
-def answer_nll(module_output: torch.Tensor, part: SequenceSample):
+def answer_nll(model, module_output: torch.Tensor, part: SequenceSample):
     """Per-token negative log-likelihood ``[total_tokens - num_seqs]`` and the shifted mask of
-    answer tokens, for a micro-batch with ``packed_input_ids`` and ``prompt_mask``."""
+    answer tokens, for a micro-batch with ``packed_input_ids`` and ``prompt_mask``;
+    ``module_output`` are `model`'s logits (a vocabulary slice under tensor parallelism)."""
     packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
     cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
-    logprobs = packed_shifted_logprobs(module_output, packed_input_ids, cu_seqlens)
+    logprobs = model.shifted_logprobs(module_output, packed_input_ids, cu_seqlens)
     loss_mask = loss_mask_from_prompt_mask(part.data["prompt_mask"], cu_seqlens)
     return -logprobs, loss_mask, cu_seqlens
 
@@ -60,7 +60,9 @@ class SFTInterface:
 
         def loss_fn(forward, part: SequenceSample):
             nll, mask, part_cu_seqlens = answer_nll(
-                forward(part.data["packed_input_ids"], part.cu_seqlens("packed_input_ids")), part
+                engine.module,
+                forward(part.data["packed_input_ids"], part.cu_seqlens("packed_input_ids")),
+                part,
             )
             loss = aggregate_loss(nll, mask, part_cu_seqlens, "token-mean", normaliser)
             return loss, {"loss": loss.detach()}
@@ -85,7 +87,7 @@ class SFTInterface:
             part = part.to(engine.device)
             ids, cu_seqlens = part.data["packed_input_ids"], part.cu_seqlens("packed_input_ids")
             with torch.no_grad():
-                nll, mask, _ = answer_nll(engine.forward(ids, cu_seqlens), part)
+                nll, mask, _ = answer_nll(engine.module, engine.forward(ids, cu_seqlens), part)
             totals["nll"] += float((nll * mask).sum())
             totals["tokens"] += float(mask.sum())
         loss = totals["nll"] / max(totals["tokens"], 1.0)

@@ -3,8 +3,9 @@
 Submodules: `config` (ModelConfig), `families` (HF config and weight-name mapping),
 `transformer` (the model), `attention` (packed attention kernels), `checkpoint`
 (load_pretrained / save_pretrained), `generation` + `sampling` (KV-cache sampling),
-`tensor_parallel` (column/row-parallel layers, state-dict sharding) and `tokenizer`
-(imported on its own because it pulls in transformers).
+`tensor_parallel` (how tensor parallelism splits each weight: state-dict sharding),
+`megatron_layers` (the tensor-parallel layers, from megatron-core) and `tokenizer` (both
+imported on their own: they pull in megatron-core and transformers).
 """
 
 from realrl.models.checkpoint import CheckpointError, load_pretrained, save_pretrained

@@ -1,10 +1,11 @@
 """Building blocks of the packed transformer: the layer factory, RMSNorm and rotary embeddings.
 
 Every weight-holding linear or embedding layer of `Transformer` is made by a `LayerFactory`.
-The plain factory below makes ordinary `nn.Linear` / `nn.Embedding`; a tensor-parallel
-factory (`realrl.models.tensor_parallel`) makes column/row-parallel layers with an explicit
-`process_group`, and the model only asks the factory how many ranks share a layer
-(`tp_size`) to size its local heads.
+The plain factory below makes ordinary `nn.Linear` / `nn.Embedding`; the tensor-parallel
+factory (`realrl.models.megatron_layers`) makes megatron-core's column/row-parallel layers on
+an explicit process group. The model asks the factory how many ranks share a layer
+(`tp_size`) to size its local heads, and asks it to read log-probabilities and entropies off
+the logits its LM head returns (full vocabulary here, one vocabulary slice per rank there).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from realrl.algo.layout import packed_entropy, packed_shifted_logprobs
 from realrl.models.config import ModelConfig
 
 LinearKind = Literal["column", "row", "replicated"]
@@ -27,7 +29,12 @@ class LayerFactory(Protocol):
     `column`: output features split across ranks, output stays split.
     `row`: input features split, outputs summed across ranks.
     `replicated`: every rank holds the whole layer.
-    `lm_head`: column-split over the vocabulary with the logits gathered back.
+    `lm_head`: the LM head, split over the vocabulary. Called as
+    `lm_head(hidden, tied_weight, gather_vocab)`; with `tied` it owns no weight and multiplies
+    by `tied_weight` (the embedding matrix). None: the single-device tied head, which is
+    `F.linear(hidden, embedding.weight)`.
+    `shifted_logprobs` / `shifted_entropy`: `realrl.algo.layout.packed_shifted_logprobs` /
+    `packed_entropy` of the logits the LM head returns without `gather_vocab`.
     """
 
     tp_size: int
@@ -38,11 +45,23 @@ class LayerFactory(Protocol):
 
     def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module: ...
 
-    def lm_head(self, in_features: int, vocab_size: int) -> nn.Module: ...
+    def lm_head(self, in_features: int, vocab_size: int, tied: bool) -> nn.Module | None: ...
+
+    def shifted_logprobs(
+        self,
+        logits: torch.Tensor,
+        packed_input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor: ...
+
+    def shifted_entropy(
+        self, logits: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float
+    ) -> torch.Tensor: ...
 
 
 class PlainLayerFactory:
-    """Single-device layers."""
+    """Single-device layers; the logits hold the whole vocabulary."""
 
     tp_size = 1
 
@@ -54,8 +73,14 @@ class PlainLayerFactory:
     def embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module:
         return nn.Embedding(num_embeddings, embedding_dim)
 
-    def lm_head(self, in_features: int, vocab_size: int) -> nn.Module:
-        return nn.Linear(in_features, vocab_size, bias=False)
+    def lm_head(self, in_features: int, vocab_size: int, tied: bool) -> nn.Module | None:
+        return None if tied else nn.Linear(in_features, vocab_size, bias=False)
+
+    def shifted_logprobs(self, logits, packed_input_ids, cu_seqlens, temperature):
+        return packed_shifted_logprobs(logits, packed_input_ids, cu_seqlens, temperature)
+
+    def shifted_entropy(self, logits, cu_seqlens, temperature):
+        return packed_entropy(logits, cu_seqlens, temperature)
 
 
 class RMSNorm(nn.Module):

@@ -110,6 +110,8 @@ class Transformer(nn.Module):
         factory = factory or PlainLayerFactory()
         self.config = config
         self.tp_size = factory.tp_size
+        # Reads log-probabilities and entropies off this model's logits (`shifted_logprobs`).
+        self.layer_factory = factory
         self.attention_kernel = "auto"
         # Run the tokens that consecutive packed sequences share from their start once in
         # `forward` (`realrl.models.shared_prefix`); the role's `share_prefixes` config key.
@@ -132,8 +134,10 @@ class Transformer(nn.Module):
             # Zero init: a fresh critic predicts 0 for every token and is trained from there.
             self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
             nn.init.zeros_(self.value_head.weight)
-        elif not config.tie_word_embeddings:
-            self.lm_head = factory.lm_head(config.hidden_size, config.vocab_size)
+        else:
+            self.lm_head = factory.lm_head(
+                config.hidden_size, config.vocab_size, config.tie_word_embeddings
+            )
 
     def hidden_states(
         self, packed_input_ids: torch.Tensor, position_ids: torch.Tensor, attend: AttendFn
@@ -157,15 +161,42 @@ class Transformer(nn.Module):
                     hidden.register_hook(lambda grad: between_layers())
         return self.final_norm(hidden)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM logits [..., vocab] in the model dtype, or fp32 values [...] for a critic."""
+    def head(self, hidden: torch.Tensor, gather_vocab: bool = True) -> torch.Tensor:
+        """LM logits [..., vocab] in the model dtype, or fp32 values [...] for a critic.
+
+        A tensor-parallel model's head computes this rank's vocabulary slice
+        [..., vocab / tp_size]; `gather_vocab` gathers the full logits (no gradient: generation
+        samples from them), otherwise the slice is returned for `shifted_logprobs`.
+        """
         if self.value_head is not None:
             return self.value_head(hidden).squeeze(-1).float()
+        if self.tp_size > 1:
+            tied = self.embedding.weight if self.config.tie_word_embeddings else None
+            return self.lm_head(hidden, tied, gather_vocab)
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        if isinstance(self.embedding, nn.Embedding):
-            return F.linear(hidden, self.embedding.weight)
-        return self.embedding.tied_logits(hidden)  # a vocab-parallel embedding gathers the logits
+        return F.linear(hidden, self.embedding.weight)
+
+    def shifted_logprobs(
+        self,
+        logits: torch.Tensor,
+        packed_input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """fp32 log-probability [total_tokens - num_seqs] of each next token, from this model's
+        `forward` logits (`realrl.algo.layout.packed_shifted_logprobs`); under tensor
+        parallelism from the vocabulary slices, reduced over the tp group without a gather."""
+        return self.layer_factory.shifted_logprobs(
+            logits, packed_input_ids, cu_seqlens, temperature
+        )
+
+    def shifted_entropy(
+        self, logits: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """fp32 entropy [total_tokens - num_seqs] of each next-token distribution (nats), from
+        this model's `forward` logits, like `shifted_logprobs`."""
+        return self.layer_factory.shifted_entropy(logits, cu_seqlens, temperature)
 
     def forward(
         self,
@@ -173,7 +204,8 @@ class Transformer(nn.Module):
         cu_seqlens: torch.Tensor,  # [num_seqs + 1]
         position_ids: torch.Tensor | None = None,  # [total_tokens]
     ) -> torch.Tensor:
-        """Logits [total_tokens, vocab] (critic: values [total_tokens], fp32).
+        """Logits [total_tokens, vocab] (critic: values [total_tokens], fp32); under tensor
+        parallelism this rank's vocabulary slice [total_tokens, vocab / tp_size] (see `head`).
 
         Position ids default to 0..len-1 within each sequence. Costs one host sync to read
         the sequence lengths, and with `share_prefixes` one more to find the shared tokens.
@@ -194,7 +226,8 @@ class Transformer(nn.Module):
             def attend(layer_index, query, key, value):
                 return varlen_attention(query, key, value, layout, window, kernel)
 
-            return self.head(self.hidden_states(packed_input_ids, position_ids, attend))
+            hidden = self.hidden_states(packed_input_ids, position_ids, attend)
+            return self.head(hidden, gather_vocab=False)
 
         def attend_whole_sequences(layer_index, query, key, value):
             query, key, value = (prefixes.expand(t) for t in (query, key, value))
@@ -205,7 +238,7 @@ class Transformer(nn.Module):
             prefixes.compact(position_ids),
             attend_whole_sequences,
         )
-        return self.head(prefixes.expand(hidden))
+        return self.head(prefixes.expand(hidden), gather_vocab=False)
 
     @property
     def dtype(self) -> torch.dtype:

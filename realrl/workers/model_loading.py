@@ -1,9 +1,10 @@
 """Build a model worker's engine for one model role from its checkpoint directory.
 
 A tensor-parallel layout (tp size > 1) loads the full checkpoint, then keeps this rank's shard
-(`realrl.models.tensor_parallel.shard_state_dict`) in a module built with tensor-parallel
-layers on the layout's tp group. Divisibility of heads, vocabulary and MLP size by the tp size
-is checked when the plan is made.
+(`realrl.models.tensor_parallel.shard_state_dict`) in a module built with megatron-core's
+tensor-parallel layers on the layout's tp group (`realrl.models.megatron_layers`, imported
+only then: importing megatron-core costs a process ~3 s). Divisibility of heads, vocabulary and
+MLP size by the tp size is checked when the plan is made.
 
 `<role>.compile=true` compiles the blocks of the loaded module (`realrl.models.compiled`) for
 its training and inference forwards; tensor-parallel shards stay eager (see there).
@@ -19,7 +20,7 @@ from realrl.api.experiment import ModelKind, ModelSpec
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.models.checkpoint import load_pretrained
 from realrl.models.compiled import enable_compiled_blocks
-from realrl.models.tensor_parallel import TensorParallelLayerFactory, shard_state_dict
+from realrl.models.tensor_parallel import shard_state_dict
 from realrl.models.tokenizer import load_tokenizer
 from realrl.models.transformer import Transformer
 
@@ -45,11 +46,16 @@ def shard_module(full: Transformer, parallel: ParallelContext) -> Transformer:
     (the full module itself when the tp size is 1)."""
     if parallel.tp_size == 1:
         return full
+    from realrl.models.megatron_layers import TensorParallelLayerFactory
+
     config = full.config
-    with torch.device("meta"):
-        module = Transformer(config, TensorParallelLayerFactory(parallel.tp_group))
+    factory = TensorParallelLayerFactory(parallel.tp_group, full.dtype)
+    with torch.device(full.device):  # megatron allocates (uninitialised) on the default device
+        module = Transformer(config, factory).to(full.dtype)  # the norms are made in fp32
     shard = shard_state_dict(full.state_dict(), parallel.tp_rank, parallel.tp_size, config)
-    module.load_state_dict(shard, strict=True, assign=True)
+    # Copied in, not assigned: the parameters keep megatron's tensor-parallel attributes
+    # (`tensor_model_parallel`, `partition_dim`) that `sharded_parameter_ids` reads.
+    module.load_state_dict(shard, strict=True)
     module.attention_kernel = full.attention_kernel
     module.share_prefixes = full.share_prefixes
     return module

@@ -1,20 +1,29 @@
-"""Tensor parallelism over 2 gloo processes: forward and gradients equal a single device."""
+"""Tensor parallelism on megatron-core's layers over 2 gloo processes equals a single device.
+
+Per model (untied Qwen2 with QKV bias, tied Llama, critic), built by `shard_module` as a model
+worker builds it: the logits (gathered), the vocab-parallel log-probs and entropies, every
+gradient, and the log-probs after one AdamW step all equal the single-device model's within
+1e-5. Also checked: the parameters megatron marks as split are exactly those the state-dict
+sharding splits, nothing touches megatron's `parallel_state` globals, and an initialised global
+tp layout (of another size) does not change the results (megatron-core 0.16.1's
+`vocab_parallel_cross_entropy` would reduce over it).
+"""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from realrl.algo.layout import packed_entropy, packed_shifted_logprobs
+from realrl.backends.torch_engine import ParallelContext, sharded_parameter_ids
 from realrl.models.config import ModelConfig
-from realrl.models.tensor_parallel import (
-    TensorParallelLayerFactory,
-    shard_state_dict,
-    unshard_state_dicts,
-)
+from realrl.models.tensor_parallel import shard_state_dict, unshard_state_dicts
 from realrl.models.transformer import Transformer
+from realrl.workers.model_loading import shard_module
 
 # Shapes every tensor-parallel size here divides (heads, kv heads, vocab, intermediate).
 SHAPE = dict(
@@ -30,6 +39,7 @@ CONFIGS = {
     "llama_tied": ModelConfig(**SHAPE, tie_word_embeddings=True),
     "critic": ModelConfig(**SHAPE, is_critic=True),
 }
+TOLERANCE = 1e-5
 
 
 def full_model(config: ModelConfig) -> Transformer:
@@ -41,50 +51,115 @@ def full_model(config: ModelConfig) -> Transformer:
     return model
 
 
-def forward_backward(model: Transformer):
-    lengths = [5, 9, 2]
+def packed_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    packed = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=generator)
+    packed = torch.randint(0, vocab_size, (16,), generator=generator)
     packed[5:9] = packed[:4]  # the second sequence begins like the first: a shared prefix
-    cu_seqlens = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
+    return packed, torch.tensor([0, 5, 14, 16], dtype=torch.int32)
+
+
+def training_loss(model: Transformer, output: torch.Tensor, packed, cu_seqlens):
+    """A loss through every output the interfaces read: log-probs and entropies (LM), or a
+    weighted sum of the values (critic)."""
+    if model.config.is_critic:
+        weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(2))
+        return (output * weights).sum(), {}
+    logprobs = model.shifted_logprobs(output, packed, cu_seqlens)
+    entropy = model.shifted_entropy(output, cu_seqlens)
+    loss = -(logprobs * torch.linspace(0.5, 1.5, logprobs.numel())).sum() - 0.3 * entropy.sum()
+    return loss, {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
+
+
+def gathered(output: torch.Tensor, group) -> torch.Tensor:
+    pieces = [torch.empty_like(output) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, output.contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)
+
+
+def train_once(model: Transformer):
+    """Outputs, gradients and the log-probs after one AdamW step on the fixed batch."""
+    packed, cu_seqlens = packed_batch(model.config.vocab_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     output = model(packed, cu_seqlens)
-    weights = torch.randn(output.shape, generator=generator)
-    (output * weights).sum().backward()
-    return output.detach()
+    loss, read_off = training_loss(model, output, packed, cu_seqlens)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    optimizer.step()
+    with torch.no_grad():
+        after = model(packed, cu_seqlens)
+        if not model.config.is_critic:
+            after = model.shifted_logprobs(after, packed, cu_seqlens)
+    return output.detach(), read_off, grads, after
 
 
-def _compare_with_single_device(rank: int, config: ModelConfig, group) -> tuple[float, float, bool]:
+def max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return (got - expected).abs().max().item()
+
+
+def compare_with_single_device(rank: int, config: ModelConfig, group) -> dict:
     reference = full_model(config)
     reference.share_prefixes = False  # the shards run the shared tokens once; the reference not
-    reference_output = forward_backward(reference)
-    model = Transformer(config, TensorParallelLayerFactory(group))
-    model.load_state_dict(shard_state_dict(reference.state_dict(), rank, 2, config))
-    output = forward_backward(model)
-    gathered = [None, None]
-    dist.all_gather_object(
-        gathered, {name: p.grad for name, p in model.named_parameters()}, group=group
+    shard = shard_module(
+        full_model(config), ParallelContext(tp_rank=rank, tp_size=2, tp_group=group)
     )
-    full_grads = unshard_state_dicts(gathered, config)
-    output_error = (output - reference_output).abs().max().item()
-    grad_error = max(
-        (full_grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()
+    full = reference.state_dict()
+    split_names = {n for n, p in shard.named_parameters() if p.shape != full[n].shape}
+    marked_names = {n for n, p in shard.named_parameters() if id(p) in sharded_parameter_ids(shard)}
+    ref_output, ref_read_off, ref_grads, ref_after = train_once(reference)
+    output, read_off, grads, after = train_once(shard)
+    if not config.is_critic:
+        output = gathered(output, group)
+    gathered_grads = [None, None]
+    dist.all_gather_object(gathered_grads, grads, group=group)
+    full_grads = unshard_state_dicts(gathered_grads, config)
+    errors = {
+        "output": max_error(output, ref_output),
+        "grad": max(max_error(full_grads[n], ref_grads[n]) for n in ref_grads),
+        "after_step": max_error(after, ref_after),
+    }
+    for key in read_off:
+        errors[key] = max_error(read_off[key], ref_read_off[key])
+    return {
+        "errors": errors,
+        "same_names": sorted(full_grads) == sorted(ref_grads),
+        "marks_match_sharding": split_names == marked_names and len(split_names) > 0,
+    }
+
+
+def global_layout_does_not_matter(rank: int, group) -> float:
+    """With megatron's global tp layout set to size 1, vocab-parallel log-probs still reduce
+    over `group`: their error against the single-device log-probs."""
+    from megatron.core import parallel_state
+
+    config = CONFIGS["llama_tied"]
+    reference = full_model(config)
+    shard = shard_module(
+        full_model(config), ParallelContext(tp_rank=rank, tp_size=2, tp_group=group)
     )
-    return (
-        output_error,
-        grad_error,
-        sorted(full_grads) == sorted(dict(reference.named_parameters())),
-    )
+    packed, cu_seqlens = packed_batch(config.vocab_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        with torch.no_grad():
+            logprobs = shard.shifted_logprobs(shard(packed, cu_seqlens), packed, cu_seqlens)
+            expected = packed_shifted_logprobs(reference(packed, cu_seqlens), packed, cu_seqlens)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return max_error(logprobs, expected)
 
 
 def _worker(rank: int, init_file: str, result_queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
+        from megatron.core import parallel_state
+
         group = dist.new_group([0, 1])
         results = {
-            name: _compare_with_single_device(rank, config, group)
+            name: compare_with_single_device(rank, config, group)
             for name, config in CONFIGS.items()
         }
+        results["globals_untouched"] = not parallel_state.model_parallel_is_initialized()
+        results["global_layout_error"] = global_layout_does_not_matter(rank, group)
         result_queue.put((rank, results))
     except Exception as error:  # report instead of leaving the parent waiting
         result_queue.put((rank, repr(error)))
@@ -93,8 +168,8 @@ def _worker(rank: int, init_file: str, result_queue) -> None:
         dist.destroy_process_group()
 
 
-def test_two_rank_tensor_parallel_forward_and_gradients_equal_one_rank(tmp_path):
-    """Untied Qwen2 (QKV bias), tied Llama and a critic, in one pair of processes."""
+def test_two_rank_megatron_layers_match_one_rank_in_logits_logprobs_gradients_and_a_step(tmp_path):
+    """t2 on megatron-core's layers vs t1, in one pair of processes."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -104,16 +179,23 @@ def test_two_rank_tensor_parallel_forward_and_gradients_equal_one_rank(tmp_path)
     ]
     for process in processes:
         process.start()
-    results = [queue.get(timeout=120) for _ in processes]
+    results = [queue.get(timeout=180) for _ in processes]
     for process in processes:
         process.join(timeout=60)
     for rank, per_config in results:
         assert isinstance(per_config, dict), f"rank {rank} failed: {per_config}"
+        assert per_config.pop("globals_untouched"), "megatron's parallel_state was initialised"
+        assert per_config.pop("global_layout_error") <= TOLERANCE
         assert set(per_config) == set(CONFIGS)
-        for name, (output_error, grad_error, same_names) in per_config.items():
-            assert same_names, name
-            assert output_error <= 1e-5, name
-            assert grad_error <= 1e-5, name
+        for name, result in per_config.items():
+            assert result["same_names"], name
+            assert result["marks_match_sharding"], name
+            expected_keys = {"output", "grad", "after_step"}
+            if name != "critic":
+                expected_keys |= {"logprobs", "entropy"}
+            assert set(result["errors"]) == expected_keys, name
+            for key, error in result["errors"].items():
+                assert error <= TOLERANCE, (name, key, error)
     assert all(process.exitcode == 0 for process in processes)
 
 
@@ -124,3 +206,25 @@ def test_shard_then_unshard_is_the_identity():
     assert shards[0]["layers.0.attention.qkv.weight"].shape == (32, 32)  # (4+2+2)*8 / 2 rows
     restored = unshard_state_dicts(shards, config)
     assert all(torch.equal(restored[name], full[name]) for name in full)
+
+
+def test_vocab_parallel_logits_refuse_a_gather_that_would_drop_their_gradient():
+    from realrl.models.megatron_layers import gather_vocabulary
+
+    logits = torch.zeros(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="drops their gradient"):
+        gather_vocabulary(logits, group=None)
+
+
+def test_single_device_logprobs_and_entropy_are_the_algo_functions():
+    model = full_model(CONFIGS["qwen2_untied"])
+    packed, cu_seqlens = packed_batch(model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(packed, cu_seqlens)
+    assert torch.equal(
+        model.shifted_logprobs(logits, packed, cu_seqlens),
+        packed_shifted_logprobs(logits, packed, cu_seqlens),
+    )
+    assert torch.equal(
+        model.shifted_entropy(logits, cu_seqlens), packed_entropy(logits, cu_seqlens)
+    )

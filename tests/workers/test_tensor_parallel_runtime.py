@@ -1,10 +1,11 @@
 """Tensor parallelism inside the runtime, with real gloo processes and a real `ModelWorker`.
 
-Four ranks host the tiny default actor as d2t2 (tp groups [0, 1] and [2, 3]) and train it with
-the SFT interface; rank 0 also trains a single-device (t1) copy on the whole batch. Checked:
-the full parameters equal the t1 ones, replicated parameters are identical on every rank, the
-clipped gradient norm counts every parameter once, a checkpoint holds the full HF weights and
-recovery is exact, and generation on the tp shards equals t1.
+Four ranks host the tiny default actor as d2t2 (tp groups [0, 1] and [2, 3]) on megatron-core's
+layers and train it with the SFT interface (vocab-parallel log-probs); rank 0 also trains a
+single-device (t1) copy on the whole batch. Checked: the full parameters equal the t1 ones,
+replicated parameters are identical on every rank, the clipped gradient norm counts every
+parameter once, a checkpoint holds the full HF weights and recovery is exact, and generation on
+the tp shards equals t1.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from realrl.workers.run_plan import RunPlan
 from realrl.workers.wire import Message
 
 WORLD = 4
+MEGATRON_LAYERS = "megatron.core.tensor_parallel.layers"
 MAX_GRAD_NORM = 0.05  # small enough that every step clips
 SFT_KEYS = ("packed_input_ids", "prompt_mask")
 
@@ -120,6 +122,11 @@ def run_worker(rank: int, port: int, model_path: str, result_dir: str) -> None:
     part = batch.split_data_parallel(2)[0][coordinates.dp]
     checkpoint = os.path.join(result_dir, "checkpoint")
     result = {"dp": coordinates.dp, "tp": coordinates.tp, "stats": []}
+    result["layers"] = {  # every tp layer's class -> the megatron-core class it is or extends
+        type(m).__name__: [c.__name__ for c in type(m).__mro__ if c.__module__ == MEGATRON_LAYERS]
+        for m in engine.module.modules()
+        if hasattr(m, "tp_group")
+    }
 
     result["stats"].append(worker.handle(train_message(part)).raise_if_error().header["stats"])
     result["step1"] = shard_state(engine)
@@ -178,6 +185,13 @@ def test_tensor_parallel_runtime_trains_checkpoints_and_generates_like_one_devic
     results = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)}
     reference = torch.load(tmp_path / "reference.pt")
 
+    for rank_result in results.values():  # the tp layers are (thin subclasses of) megatron's
+        assert rank_result["layers"] == {
+            "_ColumnParallelLinear": ["ColumnParallelLinear"],
+            "_RowParallelLinear": ["RowParallelLinear"],
+            "VocabParallelEmbedding": ["VocabParallelEmbedding"],
+            "VocabParallelHead": ["ColumnParallelLinear"],
+        }
     for step in ("step1", "step2"):  # every replica's full parameters equal one device's
         for dp in (0, 1):
             full = full_parameters(results, step, dp, config)
