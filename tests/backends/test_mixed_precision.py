@@ -309,6 +309,19 @@ def test_kept_forward_is_reused_with_masters_until_the_weights_are_written():
 # ------------------------------------------------------------------ tensor parallel
 
 
+def next_token_loss_fn(module):
+    """The mean next-token NLL through `module.shifted_logprobs`: a tensor-parallel model's
+    logits are each rank's vocabulary slice, and only the model reduces them over its group."""
+
+    def loss_of(forward, microbatch):
+        input_ids, cu_seqlens, _ = microbatch
+        logprobs = module.shifted_logprobs(forward(input_ids, cu_seqlens), input_ids, cu_seqlens)
+        loss = -logprobs.sum() / (BOUNDS[-1] - len(BOUNDS) + 1)
+        return loss, {"loss": loss.detach()}
+
+    return loss_of
+
+
 def _tensor_parallel_worker(rank: int, rendezvous: str, output: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
@@ -316,8 +329,8 @@ def _tensor_parallel_worker(rank: int, rendezvous: str, output: str) -> None:
         parallel = ParallelContext(tp_rank=rank, tp_size=2, tp_group=dist.new_group([0, 1]))
         module = shard_module(tiny_model().to(torch.bfloat16), parallel)
         engine = make_engine(module, 1e-3, parallel, gradient_clipping=0.05)
-        stats = [engine.train_microbatches(microbatches([0, 1, 2, 3], 2), loss_fn)
-                 for _ in range(3)]
+        stats = [engine.train_microbatches(microbatches([0, 1, 2, 3], 2),
+                                           next_token_loss_fn(module)) for _ in range(3)]
         torch.save([(s["loss"], s["grad_norm"]) for s in stats], f"{output}.rank{rank}")
     finally:
         dist.destroy_process_group()
@@ -331,8 +344,9 @@ def test_tensor_parallel_bf16_clips_on_fp32_gradients_counting_shards_once(tmp_p
     output = str(tmp_path / "result")
     mp.spawn(_tensor_parallel_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2,
              join=True)
-    engine = make_engine(tiny_model().to(torch.bfloat16), 1e-3, gradient_clipping=0.05)
-    single = [engine.train_microbatches(microbatches([0, 1, 2, 3], 2), loss_fn)
+    module = tiny_model().to(torch.bfloat16)
+    engine = make_engine(module, 1e-3, gradient_clipping=0.05)
+    single = [engine.train_microbatches(microbatches([0, 1, 2, 3], 2), next_token_loss_fn(module))
               for _ in range(3)]
     for rank in range(2):
         for (loss, grad_norm), expected in zip(torch.load(f"{output}.rank{rank}"), single):
