@@ -175,7 +175,8 @@ def _plan_without_launch_keys(run_dir: Path) -> dict:
 def _non_timing_metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in row.items()
-             if not k.startswith(("timing/", "perf/")) and not k.endswith("_per_s")}
+             if not k.startswith(("timing/", "perf/"))
+             and not k.endswith(("_per_s", "peak_memory_gb"))}  # measured, not computed
             for row in rows]
 
 
