@@ -262,7 +262,7 @@ class BaseExperimentConfig:
         """Fill every null `<role>.dtype` (a model role is a section with a `dtype` field): a
         linked role takes its source's resolved dtype, any other role the run-wide `dtype`.
         Called by `resolve_config`, so `--dry-run` and `config.yaml` show concrete dtypes."""
-        sections = {
+        sections: dict[str, Any] = {
             f.name: section for f in dataclasses.fields(self)
             if dataclasses.is_dataclass(section := getattr(self, f.name))
             and any(g.name == "dtype" for g in dataclasses.fields(section))
@@ -273,8 +273,10 @@ class BaseExperimentConfig:
             section = sections[name]
             if section.dtype is None:
                 source = links.get(name)
-                linked = source in sections and source not in seen
-                section.dtype = resolve(source, (*seen, name)) if linked else self.dtype
+                if source is not None and source in sections and source not in seen:
+                    section.dtype = resolve(source, (*seen, name))
+                else:
+                    section.dtype = self.dtype
             return section.dtype
 
         for name in sections:
