@@ -37,6 +37,15 @@ class LRScheduler(str, enum.Enum):
     cosine = "cosine"
 
 
+class OptimizerBackendName(str, enum.Enum):
+    """What computes a trained role's gradient sums and optimizer step
+    (`realrl.workers.model_loading.resolve_optimizer_backend`)."""
+
+    auto = "auto"
+    torch = "torch"
+    megatron = "megatron"
+
+
 @dataclass
 class OptimizerConfig:
     lr: float = help_field(1e-5, "Peak learning rate of AdamW.")
@@ -50,6 +59,16 @@ class OptimizerConfig:
     )
     min_lr_ratio: float = help_field(0.0, "Final learning rate of linear/cosine decay, over lr.")
     gradient_clipping: float = help_field(1.0, "Max global gradient norm (0 disables clipping).")
+    backend: OptimizerBackendName = help_field(
+        OptimizerBackendName.auto, "Who sums gradients over data-parallel ranks and steps AdamW. "
+        "torch: torch.optim.AdamW on every rank, gradients summed in fp32 buckets (in shared "
+        "memory between the CPU ranks of one machine); a rank holds the whole optimizer state "
+        "(bf16: 2 + 4 + 4 + 8 = 18 bytes per parameter). megatron: megatron-core's "
+        "DistributedDataParallel (fp32 gradient reduce-scatter overlapped with the backward) "
+        "and DistributedOptimizer (fp32 masters and AdamW moments sharded over the "
+        "data-parallel group: 2 + 4 + 12/d bytes per parameter with d data-parallel ranks); "
+        "CUDA workers only. auto: megatron on CUDA workers, torch on CPU."
+    )
 
     def validate(self, prefix: str) -> list[str]:
         problems = []
@@ -87,6 +106,13 @@ class ModelRoleConfig:
         "gen.compile. On 2 CPU cores, 4M-parameter model: forward+backward 1.15-1.18x faster, "
         "actor_train ~1.1x, after ~5 s of compiling in the first step (~30 s with a cold "
         "inductor cache). Ignored with tensor parallelism; needs a C++ compiler on CPU."
+    )
+    gradient_checkpointing: bool = help_field(
+        False, "Activation checkpointing: a training forward keeps only each transformer "
+        "block's input and the backward recomputes the block (torch.utils.checkpoint, "
+        "non-reentrant), for about one more forward of compute. Works with `compile` and "
+        "tensor parallelism, on CPU and GPU. Saves most of the ~(16 x hidden + 4 x "
+        "intermediate) values per token per layer a backward keeps; the logits' share stays."
     )
     share_prefixes: bool = help_field(
         True, "Training and inference forwards run the tokens that consecutive packed sequences "

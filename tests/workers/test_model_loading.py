@@ -47,5 +47,5 @@ def test_actor_dtype_loads_the_reference_in_it_too_and_masters_for_the_actor_onl
 
     actor, reference = _load_actor_and_reference(tmp_path, "actor.dtype=bfloat16")
     assert actor.module.dtype == reference.module.dtype == torch.bfloat16
-    assert {m.dtype for m in actor.master_weights.masters} == {torch.float32}
-    assert reference.master_weights is None and reference.optimizer is None
+    assert {m.dtype for m in actor.backend.master_weights.masters} == {torch.float32}
+    assert reference.backend is None and reference.optimizer is None
