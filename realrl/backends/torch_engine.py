@@ -17,7 +17,6 @@ lower precision than fp32 (bf16) trains on fp32 master weights under both.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,13 +24,10 @@ import torch
 import torch.distributed as dist
 
 from realrl.api.data import SequenceSample
-from realrl.api.experiment import OptimizerBackendName
-from realrl.api.experiment import OptimizerConfig
+from realrl.api.experiment import OptimizerBackendName, OptimizerConfig
 from realrl.backends.optimizer_backend import OptimizerBackend
 from realrl.backends.torch_optimizer import TorchOptimizerBackend
 from realrl.models.transformer import Transformer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
