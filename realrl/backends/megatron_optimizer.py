@@ -33,7 +33,7 @@ does (megatron's default exempts biases and norms).
 megatron-core's DDP and optimizer allocate on `torch.cuda.current_device()` and check
 `Tensor.type()` for CUDA types, so realrl runs this backend on CUDA workers only
 (`realrl.workers.model_loading.resolve_optimizer_backend`); its tests run the same code on CPU
-ranks under a test-only shim (`tests/backends/megatron_cpu_shim.py`). Importing megatron-core
+ranks under a test-only shim (`tests/megatron_cpu_shim.py`). Importing megatron-core
 costs a process ~3 s, so only a process that builds this backend imports this module.
 """
 
