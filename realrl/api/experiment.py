@@ -210,6 +210,24 @@ class ModelSpec:
     config: ModelRoleConfig | None = None  # None for rule-based roles
     trainable: bool = False
 
+    def config_key(self, key: str) -> str:
+        """The dotted config key of this role's `key`; the built-in single-model experiments
+        (sft, rw, gen) name their "default" role `model`."""
+        return f"{'model' if self.role == 'default' else self.role}.{key}"
+
+    def megatron_without_cuda(self, device_type: str) -> str | None:
+        """The problem of `<role>.optimizer.backend=megatron` for a trained role on workers
+        that compute on `device_type` (None: no problem)."""
+        if (not self.trainable or device_type == "cuda"
+                or self.config.optimizer.backend != OptimizerBackendName.megatron):
+            return None
+        key = self.config_key("optimizer.backend")
+        return (
+            f"`{key}=megatron` needs CUDA workers (megatron-core's DistributedDataParallel and "
+            f"DistributedOptimizer allocate on the GPU), and the workers compute on "
+            f"{device_type}: set `{key}=auto` (megatron on GPUs, torch on CPUs) or `{key}=torch`"
+        )
+
 
 @dataclass(frozen=True)
 class RolloutFilter:

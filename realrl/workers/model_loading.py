@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from realrl.api.config import ConfigError
 from realrl.api.experiment import ModelKind, ModelSpec, OptimizerBackendName
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.models.checkpoint import load_pretrained
@@ -47,27 +48,16 @@ def parameter_dtype(spec: ModelSpec) -> torch.dtype:
     return DTYPES[spec.config.dtype.value]
 
 
-def config_key(spec: ModelSpec, key: str) -> str:
-    """The dotted config key of `spec`'s `key`; the built-in single-model experiments (sft, rw,
-    gen) name the "default" role `model`."""
-    return f"{'model' if spec.role == 'default' else spec.role}.{key}"
-
-
 def resolve_optimizer_backend(spec: ModelSpec, device: torch.device) -> OptimizerBackendName:
-    """`<role>.optimizer.backend` on a worker computing on `device`: auto is megatron on CUDA
-    and torch on CPU; megatron on a CPU worker is refused (megatron-core's DDP and optimizer
-    allocate on the GPU)."""
+    """`<role>.optimizer.backend` of a trained role on a worker computing on `device`: auto is
+    megatron on CUDA and torch on CPU; megatron on a CPU worker is refused (megatron-core's DDP
+    and optimizer allocate on the GPU; a local launch refuses it before starting workers)."""
+    problem = spec.megatron_without_cuda(device.type)
+    if problem is not None:
+        raise ConfigError([problem])
     chosen = spec.config.optimizer.backend
     if chosen == OptimizerBackendName.auto:
         return OptimizerBackendName.megatron if device.type == "cuda" else OptimizerBackendName.torch
-    if chosen == OptimizerBackendName.megatron and device.type != "cuda":
-        key = config_key(spec, "optimizer.backend")
-        raise ValueError(
-            f"`{key}=megatron` needs CUDA workers (megatron-core's DistributedDataParallel and "
-            f"DistributedOptimizer allocate on the GPU), and this worker computes on "
-            f"{device.type}: set `{key}=auto` (megatron on GPUs, torch on CPUs) or "
-            f"`{key}=torch`"
-        )
     return chosen
 
 
@@ -115,7 +105,7 @@ def load_engine(
     module = shard_module(module, parallel)
     module.gradient_checkpointing = spec.config.gradient_checkpointing
     if spec.config.compile:
-        key = config_key(spec, "compile")
+        key = spec.config_key("compile")
         if parallel.tp_size == 1:
             enable_compiled_blocks(module, key)
         else:

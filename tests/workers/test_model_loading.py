@@ -76,4 +76,4 @@ def test_optimizer_backend_megatron_on_a_cpu_worker_is_refused_naming_key_and_fi
         _load_actor_and_reference(tmp_path, "actor.optimizer.backend=megatron")
     message = str(refused.value)
     assert "`actor.optimizer.backend=megatron` needs CUDA workers" in message
-    assert "`actor.optimizer.backend=auto`" in message and "computes on cpu" in message
+    assert "`actor.optimizer.backend=auto`" in message and "compute on cpu" in message
