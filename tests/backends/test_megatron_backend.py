@@ -14,8 +14,9 @@ buckets) as
 and the results are compared with the torch backend on one rank and the whole batch (d1):
 fp32 within 1e-5, bf16 within one bf16 spacing. Also checked: each rank holds about half of the
 masters and moments, the checkpointed optimizer state of a rank resumes bit for bit, state
-written by another layout or backend is refused with the fix, and megatron's `parallel_state`
-globals are never set.
+written by another layout or backend is refused with the fix, a forward kept for the train call
+(`forward(keep=True)`) is reused with the same result, and megatron's `parallel_state` globals
+are never set.
 """
 
 from __future__ import annotations
@@ -109,7 +110,24 @@ def data_parallel_run(rank: int, group, dtype: torch.dtype) -> dict:
         "model_numel": sum(p.numel() for p in engine.module.parameters()),
         "buckets": sum(len(buffer.buckets) for buffer in backend.ddp.buffers),
         "refusals": refusals(resumed, state, rank),
+        "kept_forward": kept_forward_run(rank, parallel, dtype),
     }
+
+
+def kept_forward_run(rank: int, parallel: ParallelContext, dtype: torch.dtype) -> dict:
+    """One step whose forward was run ahead (`forward(keep=True)`), and the same step without."""
+    megatron = OptimizerBackendName.megatron
+    microbatch = microbatches(HALVES[rank], 2)  # this rank's two sequences in one micro-batch
+    runs = {}
+    for keep in (True, False):
+        engine = make_engine(tiny_model().to(dtype), parallel, megatron)
+        if keep:
+            engine.forward(microbatch[0][0], microbatch[0][1], keep=True)
+        stats = engine.train_microbatches(microbatch, next_token_loss(engine.module))
+        runs[keep] = (flat(engine.module.parameters()), stats)
+    return {"reused": runs[True][1]["forward_reused"],
+            "same_step": torch.equal(runs[True][0], runs[False][0])
+            and runs[True][1]["loss"] == runs[False][1]["loss"]}
 
 
 def refusals(engine: TorchEngine, state: dict, rank: int) -> list[str]:
@@ -249,3 +267,10 @@ def test_t2_megatron_layers_and_backend_equal_t1_with_and_without_checkpointing(
 
 def test_megatron_parallel_state_globals_are_never_set(ranks):
     assert all(result["globals_unset"] for result in ranks)
+
+
+def test_a_forward_kept_for_the_train_call_is_reused_and_gives_the_same_step(ranks):
+    for dtype in ("fp32", "bf16"):
+        for result in ranks:
+            kept = result[f"d2_{dtype}"]["kept_forward"]
+            assert kept["reused"] == 1.0 and kept["same_step"]
