@@ -188,7 +188,7 @@ class MegatronOptimizerBackend:
             "shard_numels": [p.numel() for p in self.optimizer.param_groups[0]["params"]],
         }
 
-    def _masters(self) -> list[torch.Tensor]:
+    def master_shards(self) -> list[torch.Tensor]:
         """This rank's fp32 master shards of the low-precision parameters (none in fp32: the
         masters of fp32 parameters are views of the parameters themselves)."""
         return [m for group in self.distributed.shard_fp32_from_float16_groups for m in group]
@@ -197,7 +197,7 @@ class MegatronOptimizerBackend:
         """AdamW's state and the fp32 masters, of this rank's shard only."""
         return {
             "optimizer": self.optimizer.state_dict(),
-            "master_weights": [m.detach() for m in self._masters()],
+            "master_weights": [m.detach() for m in self.master_shards()],
             "layout": self._layout(),
         }
 
@@ -212,7 +212,7 @@ class MegatronOptimizerBackend:
                 "(`<role>.path=<checkpoint>/<role>`)"
             )
         self.optimizer.load_state_dict(state["optimizer"])
-        masters = self._masters()
+        masters = self.master_shards()
         if masters:  # the weights, loaded from the checkpoint's HF files, are these rounded
             with torch.no_grad():
                 device = masters[0].device

@@ -56,9 +56,9 @@ def resolve_optimizer_backend(spec: ModelSpec, device: torch.device) -> Optimize
     if problem is not None:
         raise ConfigError([problem])
     chosen = spec.config.optimizer.backend
-    if chosen == OptimizerBackendName.auto:
-        return OptimizerBackendName.megatron if device.type == "cuda" else OptimizerBackendName.torch
-    return chosen
+    if chosen != OptimizerBackendName.auto:
+        return chosen
+    return OptimizerBackendName.megatron if device.type == "cuda" else OptimizerBackendName.torch
 
 
 def shard_module(full: Transformer, parallel: ParallelContext) -> Transformer:

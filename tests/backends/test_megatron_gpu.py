@@ -111,7 +111,7 @@ def test_bf16_distributed_optimizer_d1_trains_like_the_torch_backend():
         build_model(), OptimizerBackendName.megatron, packed, cu_seqlens)
     got = flat(engine.module.parameters())
     assert type(engine.backend).__name__ == "MegatronOptimizerBackend"
-    assert all(m.dtype == torch.float32 for m in engine.backend._masters())
+    assert all(m.dtype == torch.float32 for m in engine.backend.master_shards())
     spacing = expected.abs().clamp(min=2**-20) * 2**-7
     assert ((got - expected).abs() <= spacing).all()  # within one bf16 spacing
     assert (got == expected).float().mean() > 0.99

@@ -191,19 +191,23 @@ def _resumed(engine: TorchEngine, dtype: torch.dtype) -> TorchEngine:
     return resumed
 
 
+def masters(engine: TorchEngine) -> torch.Tensor:
+    return flat(engine.backend.master_weights.masters)
+
+
 def test_a_resume_restores_the_masters_exactly():
     first = train(torch.bfloat16, 1e-5, 3)
     resumed = _resumed(first, torch.bfloat16)
-    assert torch.equal(flat(resumed.backend.master_weights.masters), flat(first.backend.master_weights.masters))
+    assert torch.equal(masters(resumed), masters(first))
     for engine in (first, resumed):
         engine.train_microbatches(microbatches([0, 1, 2, 3], 2), loss_fn)
-    assert torch.equal(flat(resumed.backend.master_weights.masters), flat(first.backend.master_weights.masters))
+    assert torch.equal(masters(resumed), masters(first))
     assert torch.equal(flat(resumed.module.parameters()), flat(first.module.parameters()))
     # The bf16 weights alone would have lost what the masters hold below one bf16 spacing.
-    assert not torch.equal(flat(first.module.parameters()), flat(first.backend.master_weights.masters))
+    assert not torch.equal(flat(first.module.parameters()), masters(first))
     # An fp32 run resuming the bf16 run takes the masters as its weights.
     as_fp32 = _resumed(first, torch.float32)
-    assert torch.equal(flat(as_fp32.module.parameters()), flat(first.backend.master_weights.masters))
+    assert torch.equal(flat(as_fp32.module.parameters()), masters(first))
 
 
 def test_weights_written_outside_the_optimizer_become_the_masters():
@@ -295,7 +299,7 @@ def test_kept_forward_is_reused_with_masters_until_the_weights_are_written():
     reference_stats = reference.train_microbatches([microbatch], loss_fn)
     assert stats["forward_reused"] == 1.0
     assert stats["loss"] == reference_stats["loss"]
-    assert torch.equal(flat(engine.backend.master_weights.masters), flat(reference.backend.master_weights.masters))
+    assert torch.equal(masters(engine), masters(reference))
     # Weights written between the kept forward and the train call (a checkpoint load): the
     # kept output is stale, and the train call runs its own forward.
     engine.forward(microbatch[0], microbatch[1], keep=True)
