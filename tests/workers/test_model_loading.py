@@ -62,13 +62,13 @@ def test_role_gradient_checkpointing_key_reaches_the_loaded_module_of_that_role_
 def test_optimizer_backend_auto_is_torch_on_cpu_and_megatron_on_cuda(tmp_path):
     actor, _ = _load_actor_and_reference(tmp_path, "actor.optimizer.backend=auto")
     assert type(actor.backend).__name__ == "TorchOptimizerBackend"
-    spec = PPOMathConfig().build().models["actor"]
+    spec = resolve_config(PPOMathConfig, []).build().models["actor"]
     assert spec.config.optimizer.backend == OptimizerBackendName.auto  # the default
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert resolve_optimizer_backend(spec, cuda) == OptimizerBackendName.megatron
     assert resolve_optimizer_backend(spec, cpu) == OptimizerBackendName.torch
-    spec.config.optimizer.backend = OptimizerBackendName.torch
-    assert resolve_optimizer_backend(spec, cuda) == OptimizerBackendName.torch
+    chosen = resolve_config(PPOMathConfig, ["actor.optimizer.backend=torch"]).build()
+    assert resolve_optimizer_backend(chosen.models["actor"], cuda) == OptimizerBackendName.torch
 
 
 def test_optimizer_backend_megatron_on_a_cpu_worker_is_refused_naming_key_and_fix(tmp_path):
