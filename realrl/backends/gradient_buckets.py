@@ -1,7 +1,7 @@
 """Data-parallel gradient sums that overlap the backward, as in PyTorch DDP (Li et al. 2020).
 
 `TorchEngine` keeps a trainable model's gradients (or, for a bf16 model, its fp32 main
-gradients) as views into flat buckets of about `torch_engine.GRADIENT_BUCKET_BYTES`, summed
+gradients) as views into flat buckets of about `torch_optimizer.GRADIENT_BUCKET_BYTES`, summed
 over the data-parallel group while the last micro-batch's backward still runs; see there for
 the measurements behind it, and `realrl.backends.shared_memory` for the CPU sum in shared
 memory.

@@ -1,54 +1,33 @@
-"""The torch backend: one model shard on one worker, its optimizer, and how it trains.
+"""The engine: one model shard on one worker, and how it trains.
 
 An engine is what an interface gets handed: it holds the module, the tokenizer, the optimizer
-and LR schedule, and the data-parallel / tensor-parallel process groups of its layout, passed
-explicitly (no ambient "current model"). Training follows one rule everywhere: losses are
-normalised by whole-batch denominators (see `realrl.algo.aggregation`), so gradients are
-**summed** over micro-batches and over data-parallel ranks, and the result equals a single
-process on the same data.
+backend with its LR schedule, and the data-parallel / tensor-parallel process groups of its
+layout, passed explicitly (no ambient "current model"). Training follows one rule everywhere:
+losses are normalised by whole-batch denominators (see `realrl.algo.aggregation`), so
+gradients are **summed** over micro-batches and over data-parallel ranks, and the result
+equals a single process on the same data.
 
-With tensor parallelism (Shoeybi et al. 2019) every tp rank of a replica sees the same data;
-sharded parameters' gradients are summed over data-parallel peers with the same tp rank, and
-replicated parameters (norms, a critic's value head) get identical gradients on every tp rank
-because the column-parallel layers all-reduce their input gradients. The global gradient norm
-counts each sharded slice once (its squared norm is summed over the tp group) and each
-replicated parameter once.
-
-Data-parallel gradient sums overlap the backward, as in PyTorch DDP (Li et al. 2020): the
-gradients live in flat buckets (`realrl.backends.gradient_buckets`), and during the last
-micro-batch's backward each bucket's all-reduce starts as soon as the backward has finished
-all of its gradients.
-Measured for the 4M-parameter benchmark model on 2 gloo ranks: concatenating the gradients,
-the all-reduce and copying them back cost 8 + 18 + 4 ms per step when done after the backward.
-
-When every rank of a CPU data-parallel group runs on one machine, the buckets live in shared
-memory instead and are summed there after the backward (`realrl.backends.shared_memory`):
-gloo's socket all-reduce still cost ~25 ms of each rank's CPU per step with the overlap, and
-the summation through shared memory ~4 ms. `REALRL_SHARED_MEMORY=0` turns it off.
-
-A module in a lower precision than fp32 (bf16) trains on fp32 master weights: gradients are
-summed, clipped and stepped in fp32 and the result rounded into its weights
-(`realrl.backends.mixed_precision`). fp32 modules train on their parameters directly.
+Where gradients are summed and how the optimizer steps is the optimizer backend's business
+(`realrl.backends.optimizer_backend`): `torch` (`realrl.backends.torch_optimizer`: AdamW on
+every rank, shared-memory or bucketed gradient sums; the choice on CPU) or `megatron`
+(`realrl.backends.megatron_optimizer`: megatron-core's DDP and distributed optimizer, fp32
+masters and moments sharded over the data-parallel group; the choice on CUDA). A module in a
+lower precision than fp32 (bf16) trains on fp32 master weights under both.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from realrl.api import environment
 from realrl.api.data import SequenceSample
-from realrl.api.experiment import LRScheduler, OptimizerConfig
-from realrl.backends.gradient_buckets import GradientBuckets
-from realrl.backends.mixed_precision import MasterWeights, check_saved_masters
+from realrl.api.experiment import OptimizerBackendName, OptimizerConfig
+from realrl.backends.optimizer_backend import OptimizerBackend
+from realrl.backends.torch_optimizer import TorchOptimizerBackend
 from realrl.models.transformer import Transformer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,30 +40,13 @@ class ParallelContext:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: dist.ProcessGroup | None = None
-
-
-def lr_multiplier(step: int, total_steps: int, config: OptimizerConfig) -> float:
-    """Linear warm-up from 0 over `warmup_steps_proportion`, then constant, linear or cosine
-    decay to `min_lr_ratio` at `total_steps`."""
-    warmup_steps = int(config.warmup_steps_proportion * total_steps)
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    if config.lr_scheduler == LRScheduler.constant:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if config.lr_scheduler == LRScheduler.linear:
-        decay = 1.0 - progress
-    else:
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * decay
+    # Every rank of the layout, when both sizes are > 1 (the megatron backend's norm group).
+    layout_group: dist.ProcessGroup | None = None
 
 
 # The model's forward as a loss sees it: (packed_input_ids, cu_seqlens) -> output.
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[Forward, SequenceSample], tuple[torch.Tensor, dict[str, float]]]
-
-# Gradients are summed over data-parallel ranks in buckets of about this many bytes.
-GRADIENT_BUCKET_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -110,19 +72,19 @@ class TorchEngine:
         optimizer_config: OptimizerConfig | None = None,
         total_optimizer_steps: int = 1,
         seed: int = 0,
+        backend: OptimizerBackendName = OptimizerBackendName.torch,
     ) -> None:
+        """`backend`: the resolved `<role>.optimizer.backend` of a trainable engine (torch or
+        megatron; `realrl.workers.model_loading.resolve_optimizer_backend` picks for auto)."""
         self.module = module
         self.tokenizer = tokenizer
         self.parallel = parallel
         self.optimizer_config = optimizer_config
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         # Sampling; tp ranks of a replica must share the seed so that they sample alike.
         self.generator = torch.Generator(device=module.device).manual_seed(seed)
         self.home_device = module.device  # where the module computes; see offload()
         self.offloaded = False
         self.sharded_parameter_ids = sharded_parameter_ids(module)
-        self.gradient_buckets: GradientBuckets | None = None  # made by the first train step
         # The shared memory this engine's weights live in, when its data-parallel replicas
         # share one copy (`realloc.share_replica_weights`).
         self.shared_weights = None
@@ -131,36 +93,33 @@ class TorchEngine:
         self._kept_weights: tuple[int, ...] = ()
         # The most tokens one forward ran since the worker last reset it (memory hints).
         self.largest_forward_tokens = 0
-        # fp32 masters of a low-precision module's trainable parameters (None in fp32).
-        self.master_weights: MasterWeights | None = None
         # fp32 copies of a frozen low-precision module's weights that EMA updates blend into
         # (`ema_master`), by parameter name; made at the first blend.
         self.ema_masters: dict[str, torch.Tensor] = {}
-        if optimizer_config is not None:
-            self._build_optimizer(optimizer_config, total_optimizer_steps)
-        else:
+        # Gradients, optimizer and LR schedule of a trainable engine (None when frozen).
+        self.backend: OptimizerBackend | None = None
+        if optimizer_config is None:
             module.requires_grad_(False)
+        elif backend == OptimizerBackendName.megatron:
+            from realrl.backends.megatron_optimizer import MegatronOptimizerBackend
 
-    def _build_optimizer(self, config: OptimizerConfig, total_optimizer_steps: int) -> None:
-        """AdamW on the trainable parameters, or on their fp32 masters when the module computes
-        in a lower precision (`realrl.backends.mixed_precision`)."""
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
-        if any(p.dtype != torch.float32 for p in trainable):
-            self.master_weights = MasterWeights(trainable)
-            trainable = self.master_weights.masters
-        self.optimizer = torch.optim.AdamW(
-            trainable,
-            lr=config.lr,
-            betas=(config.beta1, config.beta2),
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            # One fused kernel instead of ~10 ops per tensor: 31 -> 6 ms per step for the
-            # 4M-parameter benchmark model on one CPU thread; same update up to fp32 rounding.
-            fused=self.module.device.type in ("cpu", "cuda"),
-        )
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_multiplier(step, total_optimizer_steps, config)
-        )
+            self.backend = MegatronOptimizerBackend(
+                module, parallel, optimizer_config, total_optimizer_steps
+            )
+        else:
+            self.backend = TorchOptimizerBackend(
+                module, parallel, optimizer_config, total_optimizer_steps,
+                self.sharded_parameter_ids,
+            )
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The torch optimizer whose param groups carry the learning rate (None: frozen)."""
+        return None if self.backend is None else self.backend.optimizer
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR | None:
+        return None if self.backend is None else self.backend.lr_scheduler
 
     @property
     def device(self) -> torch.device:
@@ -169,7 +128,7 @@ class TorchEngine:
     def offload(self) -> None:
         """Move a frozen model's weights to host memory until `onload`, freeing its GPU memory
         between uses (the offload hook). On a CPU engine there is nothing to free."""
-        if self.optimizer is not None:
+        if self.backend is not None:
             raise RuntimeError("only frozen models are offloaded; this one has an optimizer")
         if self.home_device.type == "cpu" or self.offloaded:
             return
@@ -201,7 +160,7 @@ class TorchEngine:
             self.module.eval()
             with torch.no_grad():
                 return self.module(packed_input_ids, cu_seqlens)
-        assert self.optimizer is not None, "forward(keep=True) on a frozen model"
+        assert self.backend is not None, "forward(keep=True) on a frozen model"
         weights = self._weights_version()
         if weights != self._kept_weights:
             self._kept, self._kept_weights = [], weights
@@ -242,106 +201,34 @@ class TorchEngine:
 
         A low-precision module's gradients are summed in fp32 and the step is taken on its fp32
         masters, then rounded into its weights (`realrl.backends.mixed_precision`)."""
-        assert self.optimizer is not None, "train_microbatches on a frozen model"
+        assert self.backend is not None, "train_microbatches on a frozen model"
         self.module.train()
-        buckets = self._gradient_buckets()
-        if buckets is None:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            buckets.zero()
+        self.backend.zero_gradients()
         totals: dict[str, float] = {}
         reused: list[int] = []
         forward = self._take_kept(reused)
         for index, microbatch in enumerate(microbatches):
             loss, stats = loss_fn(forward, microbatch)
-            if buckets is not None and index == len(microbatches) - 1:
-                buckets.arm()
-            loss.backward()
+            self.backend.backward(loss, last_microbatch=index == len(microbatches) - 1)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
-        if buckets is not None:
-            buckets.finish()
-        grad_norm = self._clip_gradients(self.optimizer_config.gradient_clipping, buckets)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        if self.master_weights is not None:
-            self.master_weights.copy_to_module()
+        grad_norm = self.backend.step(self.optimizer_config.gradient_clipping)
         self.lr_scheduler.step()
         totals["grad_norm"] = float(grad_norm)
         totals["forward_reused"] = len(reused) / max(len(microbatches), 1)
         totals["lr"] = lr
         return totals
 
-    def _gradient_buckets(self) -> GradientBuckets | None:
-        """The data-parallel gradient buckets (None without data-parallel peers), remade if the
-        module's parameters were replaced since they were built."""
-        group = self.parallel.dp_group
-        if group is None or self.parallel.dp_size == 1:
-            return None
-        masters = self.master_weights
-        if masters is not None:  # the buckets hold the masters' fp32 main gradients
-            parameters = masters.masters
-        else:
-            parameters = [p for p in self.module.parameters() if p.requires_grad]
-        buckets = self.gradient_buckets
-        if buckets is None or [id(p) for p in buckets.parameters] != [id(p) for p in parameters]:
-            if buckets is not None:
-                buckets.remove()
-            buckets = GradientBuckets(
-                parameters,
-                group,
-                GRADIENT_BUCKET_BYTES,
-                use_shared_memory=environment.shared_memory_enabled(),
-                hook_backward=masters is None,
-            )
-            if masters is not None:
-                masters.on_gradient = buckets.gradient_done
-            self.gradient_buckets = buckets
-        return buckets
-
-    def _clip_gradients(self, max_norm: float, buckets: GradientBuckets | None) -> float:
-        """Scale gradients to a global L2 norm of at most `max_norm` (no clipping when <= 0), as
-        `torch.nn.utils.clip_grad_norm_` does, over the full (unsharded) model; returns the norm
-        before clipping. Costs one host sync, once per optimizer step. A low-precision module's
-        gradients are its masters' fp32 main gradients."""
-        if self.master_weights is not None:
-            pairs = zip(self.master_weights.parameters, self.master_weights.masters, strict=True)
-        else:
-            pairs = ((p, p) for p in self.module.parameters())
-        with_grads = [(p, holder) for p, holder in pairs if holder.grad is not None]
-        if not with_grads:
-            return 0.0
-        tp_group = self.parallel.tp_group if self.parallel.tp_size > 1 else None
-        if buckets is not None and tp_group is None:
-            # Every gradient is a view of a bucket: a few long reductions and scalings instead of
-            # one per parameter (the 4M-parameter benchmark model: 2.3 -> 1.0 ms on one thread).
-            grads = buckets.buckets
-            is_sharded = [False] * len(grads)
-        else:
-            grads = [holder.grad for _, holder in with_grads]
-            is_sharded = [id(p) in self.sharded_parameter_ids for p, _ in with_grads]
-        squared = torch.stack(
-            [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]
-        )  # [num_gradient_tensors]
-        sharded = torch.tensor(is_sharded, device=squared.device)
-        sharded_squared = squared[sharded].sum()
-        if tp_group is not None:
-            dist.all_reduce(sharded_squared, group=tp_group)
-        total_norm = float((sharded_squared + squared[~sharded].sum()).sqrt())
-        if 0 < max_norm < total_norm + 1e-6:
-            torch._foreach_mul_(grads, max_norm / (total_norm + 1e-6))
-        return total_norm
-
     def state_for_checkpoint(self) -> dict:
-        """Optimizer, LR schedule and, for a low-precision module, the fp32 master weights
-        (its bf16 weights alone would lose what the masters hold below one bf16 spacing) or
-        the fp32 EMA masters of a frozen one. Empty for a frozen module without EMA masters."""
+        """The optimizer backend's state (AdamW's, and for a low-precision module its fp32
+        master weights: its bf16 weights alone would lose what the masters hold below one bf16
+        spacing), the LR schedule, or the fp32 EMA masters of a frozen module. Empty for a
+        frozen module without EMA masters."""
         state = {}
-        if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+        if self.backend is not None:
+            state = self.backend.state_dict()
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
-        if self.master_weights is not None:
-            state["master_weights"] = self.master_weights.state_dict()
         if self.ema_masters:
             state["ema_masters"] = dict(self.ema_masters)
         return state
@@ -349,28 +236,20 @@ class TorchEngine:
     def load_checkpoint_state(self, state: dict) -> None:
         """Restore `state_for_checkpoint`'s state. Saved fp32 masters become the masters (and,
         rounded, the weights); an fp32 module resuming a bf16 run takes them as its weights."""
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.backend is not None:
+            self.backend.load_state_dict(state)
+            if "lr_scheduler" in state:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if "ema_masters" in state:
             self._load_ema_masters(state["ema_masters"])
-        if self.optimizer is None or "master_weights" not in state:
-            return
-        if self.master_weights is not None:
-            self.master_weights.load_state_dict(state["master_weights"])
-            return
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
-        check_saved_masters(state["master_weights"], trainable)
-        with torch.no_grad():
-            torch._foreach_copy_(trainable, [m.to(self.device) for m in state["master_weights"]])
 
     def weights_written(self) -> None:
         """The module's weights were written outside the optimizer (a checkpoint's weights
         loaded into it): the fp32 masters of a low-precision module take them, exactly, and
         EMA masters are made again from them at the next blend. `load_checkpoint_state` may
         then replace either with saved ones."""
-        if self.master_weights is not None:
-            self.master_weights.copy_from_module()
+        if self.backend is not None:
+            self.backend.weights_written()
         self.ema_masters = {}
 
     def ema_master(self, name: str) -> torch.Tensor | None:
@@ -382,7 +261,7 @@ class TorchEngine:
         spacing for the small etas EMA references use, so blending into the bf16 weight itself
         rounds every step away and the reference never moves. The copy costs 4 bytes per
         parameter of the EMA target's owning layout, and checkpoints keep it."""
-        if self.optimizer is not None or self.module.dtype == torch.float32:
+        if self.backend is not None or self.module.dtype == torch.float32:
             return None
         master = self.ema_masters.get(name)
         if master is None:

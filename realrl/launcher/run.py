@@ -18,7 +18,14 @@ import time
 from pathlib import Path
 
 from realrl.api import environment
-from realrl.api.config import BaseExperimentConfig, RecoverMode, to_yaml, usable_cores
+from realrl.api.config import (
+    BaseExperimentConfig,
+    ConfigError,
+    RecoverMode,
+    may_have_gpus,
+    to_yaml,
+    usable_cores,
+)
 from realrl.api.experiment import ModelRoleConfig
 from realrl.launcher.plan import LaunchPlan, build_plan
 from realrl.launcher.processes import (
@@ -63,6 +70,23 @@ def check_dataset(config: BaseExperimentConfig, plan: LaunchPlan) -> None:
         from realrl.workers.data_source import check_chat_template
 
         check_chat_template(config.dataset.apply_chat_template, plan.spec.models)
+
+
+def check_optimizer_backends(plan: LaunchPlan) -> None:
+    """A local run's workers compute on this machine: `<role>.optimizer.backend=megatron`
+    without a usable GPU is refused here, before any process starts (a worker refuses it
+    too, for launches elsewhere)."""
+    specs = [spec for spec in plan.spec.models.values() if spec.config is not None]
+    if not any(spec.megatron_without_cuda("cpu") for spec in specs):
+        return
+    device_type = "cpu"
+    if may_have_gpus():
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    problems = [spec.megatron_without_cuda(device_type) for spec in specs]
+    if any(problems):
+        raise ConfigError([problem for problem in problems if problem])
 
 
 def prepare_run_dir(config: BaseExperimentConfig) -> Path:
@@ -159,6 +183,7 @@ def run_experiment(config: BaseExperimentConfig) -> int:
     resolve_model_paths(config)
     plan = build_plan(config)
     check_dataset(config, plan)
+    check_optimizer_backends(plan)
     prepare_run_dir(config)
     write_run_files(config, plan)
     sys.stdout.write(f"run directory: {plan.run_dir}\n")

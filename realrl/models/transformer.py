@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from realrl.models.attention import PackedLayout, varlen_attention
 from realrl.models.config import ModelConfig
@@ -102,6 +103,10 @@ class Block(nn.Module):
         return hidden + self.mlp(self.mlp_norm(hidden))
 
 
+def _eager_block(block: Block, hidden, cos, sin, attend: AttendFn) -> torch.Tensor:
+    return block(hidden, cos, sin, attend)
+
+
 class Transformer(nn.Module):
     """Decoder-only LM over packed sequences; with `config.is_critic` a scalar value model."""
 
@@ -118,6 +123,9 @@ class Transformer(nn.Module):
         self.share_prefixes = True
         # Set by `realrl.models.compiled.enable_compiled_blocks`; None: eager blocks.
         self.compiled_blocks: CompiledBlocks | None = None
+        # Activation checkpointing (`<role>.gradient_checkpointing`): forwards that build an
+        # autograd graph keep each block's input only and recompute the block in the backward.
+        self.gradient_checkpointing = False
         # Called between transformer layers, in the forward and (for tensors that need grad) in
         # the backward: a model worker re-balances its CPU threads there
         # (`realrl.workers.core_share`). Not called in decode steps.
@@ -150,11 +158,19 @@ class Transformer(nn.Module):
         # dimension cannot be symbolic); anything else runs eager rather than recompile.
         use_compiled = compiled is not None and hidden.dim() == 2 and hidden.shape[0] >= 2
         between_layers = self.between_layers
+        run_block = compiled if use_compiled else _eager_block
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            if use_compiled:
-                hidden = compiled(layer, hidden, cos, sin, attend)
+            if recompute:
+                # Non-reentrant: works with tensors that need no grad, with the compiled parts
+                # and with the tp layers' collectives (every tp rank recomputes the same
+                # blocks in the same order). No block draws random numbers: no RNG to restore.
+                hidden = checkpoint(
+                    run_block, layer, hidden, cos, sin, attend,
+                    use_reentrant=False, preserve_rng_state=False,
+                )
             else:
-                hidden = layer(hidden, cos, sin, attend)
+                hidden = run_block(layer, hidden, cos, sin, attend)
             if between_layers is not None:
                 between_layers()
                 if hidden.requires_grad:

@@ -4,9 +4,13 @@ A checkpoint directory holds:
 - one HF directory per role whose weights change during a run (trained roles and EMA targets),
   with full weights even when the owner layout is tensor parallel (gathered over the tp group
   of the owner's data-parallel replica 0 and written by its first rank), and the optimizer and
-  LR schedule beside them: `optimizer.pt`, or with tp size T one `optimizer.tp<r>of<T>.pt` per
-  tp rank r (optimizer state is sharded like the parameters; data-parallel replicas are equal,
-  so replica 0 writes). Loading shards the full weights again for every hosted layout. With
+  LR schedule beside them. The torch optimizer backend writes `optimizer.pt`, or with tp size
+  T one `optimizer.tp<r>of<T>.pt` per tp rank r (optimizer state is sharded like the
+  parameters; data-parallel replicas are equal, so replica 0 writes). The megatron backend's
+  distributed optimizer shards its state over the data-parallel group too: every rank of the
+  layout writes its own `optimizer.dp<d>of<D>.tp<r>of<T>.pt`, and a resume needs the same
+  layout (a missing file names the fix). Loading shards the full weights again for every
+  hosted layout. With
   `checkpoint.weights_only=true` only the LR schedule is written (`lr_scheduler.pt`, by the
   first rank); resuming from it keeps the schedule and starts AdamW's moments from zero.
   A language model trained on answers (SFT, DPO) lists the token its answers end with among
@@ -54,8 +58,14 @@ def save_worker_state(worker, directory: str) -> None:
     root = Path(directory)
     for role in changing_roles(worker.plan):
         owner = worker.plan.owner_layout(role)
-        if owner in worker.models and worker.rank in gather_group_ranks(owner):
+        if owner not in worker.models:
+            continue
+        if worker.rank in gather_group_ranks(owner):
             _save_role(worker, owner, root / role)
+        elif _writes_own_shard(worker.models[owner].engine, worker.plan):
+            (root / role).mkdir(parents=True, exist_ok=True)
+            engine = worker.models[owner].engine
+            torch.save(engine.state_for_checkpoint(), root / role / optimizer_file_name(engine))
     for mfc in worker.plan.mfcs:
         interface = worker.interfaces.get(mfc.name)
         if _has_state(interface) and worker.rank == worker.plan.layout_of(mfc.name).ranks[0]:
@@ -91,10 +101,10 @@ def _save_role(worker, owner, role_dir: Path) -> None:
         save_pretrained(model, role_dir, tokenizer=engine.tokenizer)
     if engine.optimizer is None:
         if engine.ema_masters:  # a bf16 EMA reference's fp32 masters
-            torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine.parallel))
+            torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine))
         return
     if not plan.base.checkpoint.weights_only:
-        torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine.parallel))
+        torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine))
     elif full is not None:
         torch.save(engine.lr_scheduler.state_dict(), role_dir / SCHEDULE_FILE)
 
@@ -127,7 +137,19 @@ def config_to_save(
     return dataclasses.replace(config, generation_config=generation_config)
 
 
-def optimizer_file_name(parallel) -> str:
+def _writes_own_shard(engine, plan) -> bool:
+    """A rank outside replica 0 whose optimizer state differs from replica 0's."""
+    return (engine.backend is not None and engine.backend.shards_over_data_parallel
+            and not plan.base.checkpoint.weights_only)
+
+
+def optimizer_file_name(engine) -> str:
+    """This rank's optimizer-state file: one per tp rank (torch backend: data-parallel
+    replicas hold equal state), or one per dp and tp rank (megatron's distributed optimizer)."""
+    parallel = engine.parallel
+    if engine.backend is not None and engine.backend.shards_over_data_parallel:
+        return (f"optimizer.dp{parallel.dp_rank}of{parallel.dp_size}"
+                f".tp{parallel.tp_rank}of{parallel.tp_size}.pt")
     if parallel.tp_size == 1:
         return "optimizer.pt"
     return f"optimizer.tp{parallel.tp_rank}of{parallel.tp_size}.pt"
@@ -163,9 +185,9 @@ def load_worker_state(worker, directory: str) -> None:
         engine.weights_written()  # a bf16 role's fp32 masters take them (saved ones may follow)
         if engine.optimizer is not None and (role_dir / SCHEDULE_FILE).is_file():
             _resume_schedule_only(engine, torch.load(role_dir / SCHEDULE_FILE, weights_only=False))
-        elif engine.optimizer is not None or (role_dir / optimizer_file_name(parallel)).is_file():
+        elif engine.optimizer is not None or (role_dir / optimizer_file_name(engine)).is_file():
             engine.load_checkpoint_state(
-                torch.load(_optimizer_path(role_dir, parallel), weights_only=False)
+                torch.load(_optimizer_path(role_dir, engine), weights_only=False)
             )
     for mfc in worker.plan.mfcs:
         path = root / "interfaces" / f"{mfc.name}.pt"
@@ -183,14 +205,17 @@ def _resume_schedule_only(engine, schedule: dict) -> None:
         group["lr"] = lr
 
 
-def _optimizer_path(role_dir: Path, parallel) -> Path:
-    path = role_dir / optimizer_file_name(parallel)
+def _optimizer_path(role_dir: Path, engine) -> Path:
+    path = role_dir / optimizer_file_name(engine)
     if not path.is_file():
         written = sorted(p.name for p in role_dir.glob("optimizer*.pt"))
+        key = "model" if role_dir.name == "default" else role_dir.name  # sft, rw: `model.*`
         raise FileNotFoundError(
             f"{path} is missing: the checkpoint holds optimizer state {written}, written by a "
-            f"layout of another tensor-parallel size; resume with the same tp size for the "
-            f"trained layout of {role_dir.name!r} (see allocation_mode in config.yaml)"
+            f"layout of another size or by another optimizer backend (one file per tp rank: "
+            f"torch; per dp and tp rank: megatron); resume with the same data- and "
+            f"tensor-parallel sizes for the trained layout of {role_dir.name!r} (see "
+            f"allocation_mode in config.yaml) and the same `{key}.optimizer.backend`"
         )
     return path
 

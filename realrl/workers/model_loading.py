@@ -8,6 +8,12 @@ MLP size by the tp size is checked when the plan is made.
 
 `<role>.compile=true` compiles the blocks of the loaded module (`realrl.models.compiled`) for
 its training and inference forwards; tensor-parallel shards stay eager (see there).
+`<role>.gradient_checkpointing=true` recomputes each block in the backward
+(`Transformer.gradient_checkpointing`), compiled or not, sharded or not.
+
+A trained layout's optimizer backend follows `<role>.optimizer.backend`
+(`resolve_optimizer_backend`): auto picks megatron-core's DDP and distributed optimizer on CUDA
+workers and the torch backend on CPU ones.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import logging
 
 import torch
 
-from realrl.api.experiment import ModelKind, ModelSpec
+from realrl.api.config import ConfigError
+from realrl.api.experiment import ModelKind, ModelSpec, OptimizerBackendName
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.models.checkpoint import load_pretrained
 from realrl.models.compiled import enable_compiled_blocks
@@ -39,6 +46,19 @@ def parameter_dtype(spec: ModelSpec) -> torch.dtype:
             "building the plan"
         )
     return DTYPES[spec.config.dtype.value]
+
+
+def resolve_optimizer_backend(spec: ModelSpec, device: torch.device) -> OptimizerBackendName:
+    """`<role>.optimizer.backend` of a trained role on a worker computing on `device`: auto is
+    megatron on CUDA and torch on CPU; megatron on a CPU worker is refused (megatron-core's DDP
+    and optimizer allocate on the GPU; a local launch refuses it before starting workers)."""
+    problem = spec.megatron_without_cuda(device.type)
+    if problem is not None:
+        raise ConfigError([problem])
+    chosen = spec.config.optimizer.backend
+    if chosen != OptimizerBackendName.auto:
+        return chosen
+    return OptimizerBackendName.megatron if device.type == "cuda" else OptimizerBackendName.torch
 
 
 def shard_module(full: Transformer, parallel: ParallelContext) -> Transformer:
@@ -72,6 +92,9 @@ def load_engine(
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
+    backend = resolve_optimizer_backend(spec, device) if trains else OptimizerBackendName.torch
+    if trains:
+        logger.info("%s trains with the %s optimizer backend", spec.role, backend.value)
     module = load_pretrained(
         spec.config.path,
         critic=spec.kind == ModelKind.critic,
@@ -80,9 +103,9 @@ def load_engine(
     )
     module.share_prefixes = spec.config.share_prefixes
     module = shard_module(module, parallel)
+    module.gradient_checkpointing = spec.config.gradient_checkpointing
     if spec.config.compile:
-        # The built-in single-model experiments (sft, rw, gen) name the "default" role `model`.
-        key = f"{'model' if spec.role == 'default' else spec.role}.compile"
+        key = spec.config_key("compile")
         if parallel.tp_size == 1:
             enable_compiled_blocks(module, key)
         else:
@@ -100,4 +123,5 @@ def load_engine(
         optimizer_config=spec.config.optimizer if trains else None,
         total_optimizer_steps=total_optimizer_steps,
         seed=seed,
+        backend=backend,
     )

@@ -91,6 +91,7 @@ class ModelWorker:
                 dp_group=self.groups.data_group(layout, self.rank),
                 tp_rank=coords.tp, tp_size=allocation.strategy.tensor,
                 tp_group=self.groups.tensor_group(layout, self.rank),
+                layout_group=self.groups.layout_group(layout),
             )
             spec = self.plan.models[layout.role]
             trains = spec.trainable and layout == self.plan.owner_layout(layout.role)

@@ -157,6 +157,9 @@ class ProcessGroups:
                 )
             for ranks in allocation.data_groups() + allocation.tensor_groups():
                 groups._make(ranks)
+            strategy = allocation.strategy
+            if groups._trains(layout) and strategy.data > 1 and strategy.tensor > 1:
+                groups._make(list(layout.ranks))  # the megatron backend's gradient-norm group
         for source, target in plan.transfers():
             groups._make(transfer_group_ranks(source, target))
         return groups
@@ -165,6 +168,14 @@ class ProcessGroups:
         key = tuple(sorted(ranks))
         if len(key) > 1 and key not in self.by_ranks:
             self.by_ranks[key] = dist.new_group(list(key))
+
+    def _trains(self, layout: LayoutKey) -> bool:
+        spec = self.plan.models[layout.role]
+        return spec.trainable and layout == self.plan.owner_layout(layout.role)
+
+    def layout_group(self, layout: LayoutKey) -> dist.ProcessGroup | None:
+        """Every rank of a trained data- and tensor-parallel layout (None otherwise)."""
+        return self.by_ranks.get(tuple(sorted(layout.ranks))) if self._trains(layout) else None
 
     def _group_with(self, groups: list[list[int]], rank: int) -> dist.ProcessGroup | None:
         ranks = next(tuple(sorted(g)) for g in groups if rank in g)

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from realrl.api import environment
 from realrl.api.experiment import LRScheduler, OptimizerConfig
-from realrl.backends import torch_engine
+from realrl.backends import torch_optimizer
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.models.config import ModelConfig
 from realrl.models.transformer import Transformer
@@ -112,7 +112,7 @@ def test_tiny_updates_move_the_fp32_masters_every_step_and_the_bf16_weights_foll
     always the masters rounded, and the updates add up until they cross a bf16 spacing."""
     initial = flat(tiny_model().parameters())
     engine = make_engine(tiny_model().to(torch.bfloat16), lr=1e-6)
-    masters = engine.master_weights.masters
+    masters = engine.backend.master_weights.masters
     assert all(m.dtype == torch.float32 for m in masters)
     assert [p.data_ptr() for p in engine.optimizer.param_groups[0]["params"]] == [
         m.data_ptr() for m in masters
@@ -143,7 +143,7 @@ def test_bf16_with_masters_tracks_an_fp32_run_far_better_than_plain_bf16():
     reference = flat(train(torch.float32, 1e-4, 10).module.parameters())
     update = (reference - initial).norm()
     engine = train(torch.bfloat16, 1e-4, 10)
-    masters_error = (flat(engine.master_weights.masters) - reference).norm() / update
+    masters_error = (flat(engine.backend.master_weights.masters) - reference).norm() / update
     weights_error = (flat(engine.module.parameters()) - reference).norm() / update
     plain_error = (flat(train_plain_bf16(1e-4, 10).parameters()) - reference).norm() / update
     # Measured: masters 0.05, their bf16 rounding 0.24, plain bf16 0.91 of the update.
@@ -158,15 +158,15 @@ def test_bf16_micro_batches_sum_in_fp32():
     near-zero gradients from turning rounding noise into lr-sized steps."""
     initial = flat(tiny_model().parameters())
     one = flat(train(torch.bfloat16, 1e-3, 1, per_microbatch=4, adam_eps=1e-4)
-               .master_weights.masters)
+               .backend.master_weights.masters)
     four = flat(train(torch.bfloat16, 1e-3, 1, per_microbatch=1, adam_eps=1e-4)
-                .master_weights.masters)
+                .backend.master_weights.masters)
     assert (one - four).norm() < 0.01 * (one - initial).norm()
 
 
 def test_fp32_engine_keeps_its_path_without_masters():
     engine = train(torch.float32, 1e-3, 1)
-    assert engine.master_weights is None
+    assert engine.backend.master_weights is None
     assert "master_weights" not in engine.state_for_checkpoint()
     optimized = engine.optimizer.param_groups[0]["params"]
     assert [id(p) for p in optimized] == [id(p) for p in engine.module.parameters()]
@@ -191,19 +191,23 @@ def _resumed(engine: TorchEngine, dtype: torch.dtype) -> TorchEngine:
     return resumed
 
 
+def masters(engine: TorchEngine) -> torch.Tensor:
+    return flat(engine.backend.master_weights.masters)
+
+
 def test_a_resume_restores_the_masters_exactly():
     first = train(torch.bfloat16, 1e-5, 3)
     resumed = _resumed(first, torch.bfloat16)
-    assert torch.equal(flat(resumed.master_weights.masters), flat(first.master_weights.masters))
+    assert torch.equal(masters(resumed), masters(first))
     for engine in (first, resumed):
         engine.train_microbatches(microbatches([0, 1, 2, 3], 2), loss_fn)
-    assert torch.equal(flat(resumed.master_weights.masters), flat(first.master_weights.masters))
+    assert torch.equal(masters(resumed), masters(first))
     assert torch.equal(flat(resumed.module.parameters()), flat(first.module.parameters()))
     # The bf16 weights alone would have lost what the masters hold below one bf16 spacing.
-    assert not torch.equal(flat(first.module.parameters()), flat(first.master_weights.masters))
+    assert not torch.equal(flat(first.module.parameters()), masters(first))
     # An fp32 run resuming the bf16 run takes the masters as its weights.
     as_fp32 = _resumed(first, torch.float32)
-    assert torch.equal(flat(as_fp32.module.parameters()), flat(first.master_weights.masters))
+    assert torch.equal(flat(as_fp32.module.parameters()), masters(first))
 
 
 def test_weights_written_outside_the_optimizer_become_the_masters():
@@ -214,7 +218,7 @@ def test_weights_written_outside_the_optimizer_become_the_masters():
         for target, source in zip(engine.module.parameters(), loaded.parameters()):
             target.copy_(source)
     engine.weights_written()
-    assert torch.equal(flat(engine.master_weights.masters), flat(loaded.parameters()))
+    assert torch.equal(flat(engine.backend.master_weights.masters), flat(loaded.parameters()))
 
 
 def test_mismatched_saved_masters_are_refused_with_the_fix():
@@ -237,9 +241,9 @@ def _data_parallel_run(parallel: ParallelContext, sequences: list[int]) -> dict:
                              gradient_clipping=clipping)
         for _ in range(2):
             stats = engine.train_microbatches(microbatches(sequences, 1), loss_fn)
-        buckets = engine.gradient_buckets
+        buckets = engine.backend.gradient_buckets
         results[clipping] = {
-            "masters": flat(engine.master_weights.masters),
+            "masters": flat(engine.backend.master_weights.masters),
             "weights": flat(engine.module.parameters()),
             "grad_norm": stats["grad_norm"],
             "bucket_dtypes": None if buckets is None else {b.dtype for b in buckets.buckets},
@@ -251,7 +255,7 @@ def _data_parallel_run(parallel: ParallelContext, sequences: list[int]) -> dict:
 def _data_parallel_worker(rank: int, rendezvous: str, output: str, shared: bool) -> None:
     torch.set_num_threads(1)
     os.environ[environment.SHARED_MEMORY] = "1" if shared else "0"
-    torch_engine.GRADIENT_BUCKET_BYTES = 2048  # several buckets, started during the backward
+    torch_optimizer.GRADIENT_BUCKET_BYTES = 2048  # several buckets, started during the backward
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         parallel = ParallelContext(dp_rank=rank, dp_size=2, dp_group=dist.new_group([0, 1]))
@@ -295,7 +299,7 @@ def test_kept_forward_is_reused_with_masters_until_the_weights_are_written():
     reference_stats = reference.train_microbatches([microbatch], loss_fn)
     assert stats["forward_reused"] == 1.0
     assert stats["loss"] == reference_stats["loss"]
-    assert torch.equal(flat(engine.master_weights.masters), flat(reference.master_weights.masters))
+    assert torch.equal(masters(engine), masters(reference))
     # Weights written between the kept forward and the train call (a checkpoint load): the
     # kept output is stale, and the train call runs its own forward.
     engine.forward(microbatch[0], microbatch[1], keep=True)

@@ -17,7 +17,7 @@ from conftest import EOS_ID, build_model, make_engine, rollout_batch
 from realrl.api import environment
 from realrl.api.dfg import MicroBatchSpec
 from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
-from realrl.backends import torch_engine
+from realrl.backends import torch_optimizer
 from realrl.backends.torch_engine import ParallelContext
 from realrl.interfaces.configs import PPOActorConfig
 from realrl.interfaces.ppo_actor import PPOActorInterface
@@ -79,7 +79,7 @@ def _train(parallel: ParallelContext, sample_indices: list[int]) -> dict[str, tu
                 engine, data, MicroBatchSpec(max_tokens_per_microbatch=12)
             ).stats
         flat = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
-        buckets = engine.gradient_buckets
+        buckets = engine.backend.gradient_buckets
         results[mode] = (flat, stats, buckets is not None and buckets.shared is not None)
     return results
 
@@ -89,7 +89,7 @@ def _worker(rank: int, rendezvous: str, output: str, shared_memory: bool) -> Non
     os.environ[environment.SHARED_MEMORY] = "1" if shared_memory else "0"
     # A bucket per few parameters of this tiny model (the default size would make one), so that
     # all-reduces start during each backward, in order.
-    torch_engine.GRADIENT_BUCKET_BYTES = 2048
+    torch_optimizer.GRADIENT_BUCKET_BYTES = 2048
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         group = dist.new_group([0, 1])
@@ -136,7 +136,7 @@ def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
     torch.set_num_threads(1)
     # The overlap is gloo's (or NCCL's) all-reduce; a shared-memory sum runs after the backward.
     os.environ[environment.SHARED_MEMORY] = "0"
-    torch_engine.GRADIENT_BUCKET_BYTES = 2048
+    torch_optimizer.GRADIENT_BUCKET_BYTES = 2048
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         parallel = ParallelContext(dp_rank=rank, dp_size=2, dp_group=dist.new_group([0, 1]))
@@ -146,7 +146,7 @@ def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
         # Registered before the engine's own hooks, so it runs first: how many buckets had
         # started when the backward finished its last gradient (the embedding's)?
         embedding.register_post_accumulate_grad_hook(
-            lambda _: launched_before_last.append(engine.gradient_buckets.launched)
+            lambda _: launched_before_last.append(engine.backend.gradient_buckets.launched)
         )
         ids = torch.arange(12) % VOCAB_SIZE + rank
         cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
@@ -155,7 +155,7 @@ def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
             return forward(ids, cu_seqlens).float().square().mean(), {}
 
         engine.train_microbatches([None, None], loss_fn)
-        buckets = engine.gradient_buckets
+        buckets = engine.backend.gradient_buckets
         result = {
             "launched_before_last": list(launched_before_last),
             "num_buckets": len(buckets.buckets),
