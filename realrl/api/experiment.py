@@ -220,7 +220,7 @@ class ModelSpec:
     def megatron_without_cuda(self, device_type: str) -> str | None:
         """The problem of `<role>.optimizer.backend=megatron` for a trained role on workers
         that compute on `device_type` (None: no problem)."""
-        if (not self.trainable or device_type == "cuda"
+        if (not self.trainable or device_type == "cuda" or self.config is None
                 or self.config.optimizer.backend != OptimizerBackendName.megatron):
             return None
         key = self.config_key("optimizer.backend")
