@@ -35,11 +35,21 @@ MODEL_SIZES = {
     # 15.8M parameters, 4x "small", for reallocation-vs-size measurements.
     "medium": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=5,
                    num_attention_heads=8, num_key_value_heads=4),
+    # Shaped like Qwen2.5-0.5B and -1.5B (their config.json: 0.49B and 1.54B parameters with the
+    # 151,936-token vocabulary), random weights, realrl's character tokenizer.
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0),
 }
 
 
 def write_benchmark_model(directory: str | Path, size: str = "small", seed: int = 0) -> Path:
-    """Write the benchmark model in Hugging Face format (idempotent for a given directory)."""
+    """Write the benchmark model in Hugging Face format (idempotent for a given directory).
+
+    `python benchmarks/bench_setup.py DIR --size qwen2.5-0.5b` does it from a shell."""
     from realrl.launcher.defaults import DEFAULT_ARCHITECTURE, fresh_default_model
 
     return fresh_default_model(directory, seed, {**DEFAULT_ARCHITECTURE, **MODEL_SIZES[size]})
@@ -203,3 +213,12 @@ def median_and_spread(values: list[float]) -> dict[str, float]:
 
 def load_average() -> float:
     return os.getloadavg()[0]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Write a benchmark model (random weights).")
+    parser.add_argument("directory")
+    parser.add_argument("--size", choices=sorted(MODEL_SIZES), default="small")
+    parser.add_argument("--seed", type=int, default=0)
+    arguments = parser.parse_args()
+    print(write_benchmark_model(arguments.directory, arguments.size, arguments.seed))

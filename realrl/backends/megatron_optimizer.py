@@ -51,7 +51,10 @@ from realrl.api.experiment import OptimizerConfig
 from realrl.backends.optimizer_backend import make_lr_scheduler
 
 warnings.filterwarnings("ignore", "Transformer Engine and Apex are not installed", UserWarning)
-logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
+# 0.17 warns at every TransformerConfig about a CUDA-graph default realrl does not use.
+warnings.filterwarnings("ignore", "full scope is deprecated", UserWarning)
+# At INFO, DDP logs its whole config and every parameter of every bucket, per model.
+logging.getLogger("megatron.core.distributed").setLevel(logging.WARNING)
 
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,

@@ -39,10 +39,13 @@ def fresh_default_model(directory: str | Path, seed: int = 1,
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer(directory)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **(architecture or DEFAULT_ARCHITECTURE),
-    )
+    # An `architecture` may set a larger vocab_size than the tokenizer's (a real model's LM
+    # head at benchmark size); the extra ids decode to nothing.
+    config = Qwen2Config(**{
+        "vocab_size": len(tokenizer), "bos_token_id": None,
+        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+        **(architecture or DEFAULT_ARCHITECTURE),
+    })
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)

@@ -1,6 +1,7 @@
 """Worker process for MathVerifier: parse + verify with math-verify, one request per line.
 
-Run as a script (``python -I _math_worker.py MEMORY_LIMIT_MB``), not imported: it must not
+Run as a script (``python -I _math_worker.py MEMORY_LIMIT_MB SEARCH_PATH_JSON``, the second
+argument the parent's ``sys.path``, which ``-I`` would otherwise drop), not imported: it must not
 pull in the realrl package (and torch) just to compare two expressions. It runs in its own
 main thread, so a ``signal.setitimer`` deadline can interrupt sympy; math-verify's own
 ``signal.alarm`` timeouts are switched off because their ``alarm(0)`` would cancel ours.
@@ -57,6 +58,9 @@ def _answer(request: dict, parse, verify) -> dict:
 
 def main() -> None:
     memory_limit_mb = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    if len(sys.argv) > 2:
+        parent_path = json.loads(sys.argv[2])
+        sys.path[:] = parent_path + [entry for entry in sys.path if entry not in parent_path]
     if memory_limit_mb > 0:
         limit_bytes = memory_limit_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))

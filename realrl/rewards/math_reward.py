@@ -21,6 +21,7 @@ import queue
 import select
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +40,7 @@ class _WorkerProcess:
         self._memory_limit_mb = memory_limit_mb
         self._startup_timeout_s = startup_timeout_s
         self._process: subprocess.Popen | None = None
+        self._stderr = None  # the child's stderr, a temporary file read when it fails to start
         self._buffer = b""
 
     @property
@@ -52,22 +54,31 @@ class _WorkerProcess:
             "MKL_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
         }
+        # `-I` drops PYTHONPATH and the working directory, so the child is told where this
+        # process finds its packages (a wheelhouse installed with `--target` is on PYTHONPATH).
+        search_path = json.dumps([entry for entry in sys.path if entry])
+        self._stderr = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
-            [sys.executable, "-I", str(_WORKER_SCRIPT), str(self._memory_limit_mb)],
+            [sys.executable, "-I", str(_WORKER_SCRIPT), str(self._memory_limit_mb), search_path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self._stderr,
             env=environment,
             start_new_session=True,  # a Ctrl-C in the trainer's terminal is not ours to take
         )
         self._buffer = b""
         ready = self._read_line(time.monotonic() + self._startup_timeout_s)
         if ready is None or not ready.get("ready"):
+            exit_code = self._process.poll()
+            self._stderr.seek(0)
+            output = self._stderr.read().decode(errors="replace").strip()[-2000:]
             self.kill()
+            what = (f"exited with code {exit_code}" if exit_code is not None
+                    else f"did not answer within {self._startup_timeout_s} s")
             raise RuntimeError(
-                f"math-verify worker {_WORKER_SCRIPT} did not start within "
-                f"{self._startup_timeout_s} s; check that `import math_verify` works in "
-                f"{sys.executable}"
+                f"math-verify worker {_WORKER_SCRIPT} {what} at start; check that "
+                f"`import math_verify` works in {sys.executable}"
+                + (f". Its last output:\n{output}" if output else "")
             )
 
     def kill(self) -> None:
@@ -75,7 +86,7 @@ class _WorkerProcess:
             return
         self._process.kill()
         self._process.wait()
-        for stream in (self._process.stdin, self._process.stdout):
+        for stream in (self._process.stdin, self._process.stdout, self._stderr):
             stream.close()
         self._process = None
 

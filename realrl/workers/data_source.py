@@ -112,8 +112,8 @@ class DataSource:
 def log_text_format(setting: bool | None, chat: bool, tokenizer, dataset) -> None:
     """Say once how prompts were tokenized, with the first one as the model sees it."""
     if setting is None:
-        has = "has" if chat else "has no"
-        setting_text = f"null, and the tokenizer {has} a chat template"
+        has = "has a" if chat else "has no"
+        setting_text = f"null, and the tokenizer {has} chat template"
     else:
         setting_text = str(setting).lower()
     how = "as one user turn of the chat template" if chat else "as they are"

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bf16_tolerance import assert_within_a_bf16_spacing
 from megatron_cpu_shim import cuda_to_cpu
 from test_mixed_precision import BOUNDS, flat, microbatches, tiny_model
 
@@ -217,16 +218,6 @@ def test_d2_distributed_optimizer_fp32_equals_one_rank(ranks):
     for step, expected in enumerate(reference["stats"]):
         total = sum(result["d2_fp32"]["stats"][step]["loss"] for result in ranks)
         assert abs(total - expected["loss"]) < 1e-5
-
-
-def assert_within_a_bf16_spacing(got: torch.Tensor, expected: torch.Tensor,
-                                 bit_equal: float) -> None:
-    """bf16's tolerance: every weight within one bf16 spacing (|w| x 2^-7, 8 significant
-    bits; for |w| < 2^-6 that of 2^-6: masters an fp32 rounding apart round to bf16 values
-    many of their own spacings apart near zero), and at least `bit_equal` of them equal."""
-    spacing = expected.abs().clamp(min=2**-6) * 2**-7
-    assert ((got - expected).abs() <= spacing).all()
-    assert (got == expected).float().mean() >= bit_equal
 
 
 def test_d2_distributed_optimizer_bf16_stays_within_a_bf16_spacing_of_one_rank(ranks):

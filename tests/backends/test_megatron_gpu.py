@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from bf16_tolerance import assert_within_a_bf16_spacing
 
 from realrl.api.experiment import OptimizerBackendName, OptimizerConfig
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
@@ -41,6 +42,11 @@ def one_rank_group(tmp_path_factory):
     torch.cuda.set_device(0)
     rendezvous = tmp_path_factory.mktemp("nccl") / "rendezvous"
     dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    # cuBLAS allocates its workspaces (one per thread: the backward runs on autograd's own) on
+    # the first matmuls; made here, they stay out of the first test's bytes per parameter.
+    warm = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    (warm @ warm).float().sum().backward()
+    torch.cuda.synchronize()
     yield
     dist.destroy_process_group()
 
@@ -112,9 +118,7 @@ def test_bf16_distributed_optimizer_d1_trains_like_the_torch_backend():
     got = flat(engine.module.parameters())
     assert type(engine.backend).__name__ == "MegatronOptimizerBackend"
     assert all(m.dtype == torch.float32 for m in engine.backend.master_shards())
-    spacing = expected.abs().clamp(min=2**-20) * 2**-7
-    assert ((got - expected).abs() <= spacing).all()  # within one bf16 spacing
-    assert (got == expected).float().mean() > 0.99
+    assert_within_a_bf16_spacing(got, expected, 0.99)
     for mine, reference in zip(stats, torch_stats, strict=True):
         assert abs(mine["loss"] - reference["loss"]) < 1e-3
         assert abs(mine["grad_norm"] - reference["grad_norm"]) < 1e-3 * reference["grad_norm"]

@@ -1,5 +1,6 @@
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +147,29 @@ def test_verifier_works_from_non_main_threads(verifier):
 def test_score_rejects_mismatched_lengths(verifier):
     with pytest.raises(ValueError, match="one list of references per completion"):
         verifier.score(["\\boxed{1}"], [])
+
+
+def test_worker_finds_packages_on_the_parents_path_despite_isolated_mode(tmp_path, monkeypatch):
+    # A wheelhouse installed with `pip --target` is reachable through PYTHONPATH only, which
+    # `python -I` ignores: the child must get the parent's sys.path. This folder's math_verify
+    # answers 1.0 for everything, so a score of 1.0 on a wrong answer proves it was imported.
+    (tmp_path / "math_verify.py").write_text(
+        "def parse(text, parsing_timeout=None):\n    return [text]\n"
+        "def verify(reference, prediction, timeout_seconds=None):\n    return True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with MathVerifier(num_workers=1) as verifier:
+        assert verifier.score(["\\boxed{x^2}"], [["\\boxed{y+1}"]]) == [1.0]
+
+
+def test_a_worker_that_dies_at_start_is_reported_with_its_exit_code_and_output(monkeypatch):
+    import realrl.rewards.math_reward as math_reward
+
+    script = Path(math_reward.__file__).with_name("_missing_worker.py")
+    monkeypatch.setattr(math_reward, "_WORKER_SCRIPT", script)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        math_reward._WorkerProcess(memory_limit_mb=0, startup_timeout_s=60.0).start()
+    assert time.monotonic() - started < 30  # a dead child is not waited for until the timeout
+    message = str(error.value)
+    assert "exited with code 2" in message and "_missing_worker.py" in message
+    assert "No such file or directory" in message  # the child's own stderr
