@@ -67,6 +67,13 @@ import torch.nn.functional as F
 
 from realrl.models.attention import PackedLayout, varlen_attention
 from realrl.models.compiled import explain_compile_failure
+from realrl.models.cuda_graphs import (
+    DecodeGraphs,
+    StaticDecodeState,
+    attended_columns,
+    decode_step,
+    row_bucket,
+)
 from realrl.models.layers import split_rotated_qkv
 from realrl.models.sampling import (
     GenerationConfig,
@@ -354,6 +361,12 @@ def _decode_threads(model: Transformer, num_rows: int):
         torch.set_num_threads(threads)
 
 
+def uses_cuda_graphs(model: Transformer, config: GenerationConfig) -> bool:
+    """Whether `generate` replays captured decode steps (`realrl.models.cuda_graphs`): on CUDA
+    at tensor-parallel size 1 unless `config.cuda_graphs` is off."""
+    return config.cuda_graphs and model.device.type == "cuda" and model.tp_size == 1
+
+
 @torch.no_grad()
 def generate(
     model: Transformer,
@@ -368,6 +381,21 @@ def generate(
     Costs two host syncs (reading the prompt lengths and, at the end, the response
     lengths) plus one "all finished?" check every `config.check_done_every` steps.
     """
+    static_steps = uses_cuda_graphs(model, config)
+    return _generate(model, packed_prompts, prompt_cu_seqlens, config, generator, static_steps)
+
+
+@torch.no_grad()
+def _generate(
+    model: Transformer,
+    packed_prompts: torch.Tensor,  # [total_prompt_tokens]
+    prompt_cu_seqlens: torch.Tensor,  # [num_prompts + 1]
+    config: GenerationConfig,
+    generator: torch.Generator,
+    static_steps: bool,
+) -> GenerationOutput:
+    """`generate`; with `static_steps` the decode steps of `realrl.models.cuda_graphs`
+    (captured as CUDA graphs on CUDA, run as they are elsewhere: the tests' CPU twin)."""
     if model.config.is_critic:
         raise ValueError("generate() needs a language model, but this model is a critic")
     config.validate()
@@ -376,7 +404,9 @@ def generate(
     layout = PackedLayout.from_cu_seqlens(prompt_cu_seqlens.to(device))
     model.rotary.ensure_capacity(layout.max_seqlen + max_new, device)
     num_columns = layout.max_seqlen + max_new
-    if config.compile:
+    if static_steps:  # the prefill's cache holds the prompts; the static state the rest
+        num_columns = layout.max_seqlen
+    elif config.compile:
         num_columns = -(-num_columns // COMPILED_COLUMN_MULTIPLE) * COMPILED_COLUMN_MULTIPLE
     cache, logits, prompt_lens = _prefill_and_expand(
         model, packed_prompts, layout, config.n, num_columns
@@ -384,15 +414,6 @@ def generate(
     row_prompt_lens = prompt_lens.repeat_interleave(config.n)  # [num_seqs]
     stop_ids = config.resolved_stop_ids(model.config.eos_token_ids)
     stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    # cos/sin for every decode step up front: step s feeds its token at position len_b + s.
-    step_positions = row_prompt_lens[None, :] + torch.arange(max_new, device=device)[:, None]
-    all_cos, all_sin = model.rotary.lookup(step_positions, model.dtype)  # [max_new, rows, 1, dim]
-    # The cache column of every decode step, made once: no host-to-device copy per step.
-    columns = torch.arange(layout.max_seqlen, layout.max_seqlen + max_new, device=device)
-
-    record = _Record.allocate(
-        len(row_prompt_lens), max_new, config.return_sampling_logprobs, device
-    )
     # Sampling happens inside the (compiled) step: its uniforms are drawn here, one per row and
     # step, and min_new_tokens becomes a per-step flag over a fixed stop-token mask.
     rule, with_sampling = SamplingRule.of(config), config.return_sampling_logprobs
@@ -401,13 +422,57 @@ def generate(
     stop_mask[stop_tensor] = True
     mask_stop = torch.arange(max_new, device=device) < config.min_new_tokens  # [max_new]
     first = choose_tokens(logits, rule, stop_mask & mask_stop[0], draws[0], with_sampling)
-    tokens = record.add(*first, stop_tensor)
+    if static_steps:
+        tables = (stop_mask, mask_stop, draws)
+        record = _decode_static(model, config, cache, first, row_prompt_lens, tables)
+    else:
+        record = _Record.allocate(len(row_prompt_lens), max_new, with_sampling, device)
+        record.add(*first, stop_tensor)
+        decoding = _DynamicDecoding(
+            layout.max_seqlen, row_prompt_lens, stop_tensor, draws, first_tokens=first[0]
+        )
+        _decode_dynamic(model, config, cache, record, decoding, (stop_mask, mask_stop))
+    steps = record.steps_done
+    return pack_outputs(
+        packed_prompts,
+        prompt_lens,
+        config.n,
+        record.tokens[:, :steps],
+        record.logprobs[:, :steps],
+        None if record.sampling_logprobs is None else record.sampling_logprobs[:, :steps],
+        record.response_lens,
+        record.finished,
+    )
+
+
+@dataclasses.dataclass
+class _DynamicDecoding:
+    prompt_columns: int  # the longest prompt: the first decode step writes this column
+    row_prompt_lens: torch.Tensor  # [num_seqs]
+    stop_ids: torch.Tensor  # [num_stop_ids] long
+    draws: torch.Tensor  # [max_new, num_seqs, 1] uniforms
+    first_tokens: torch.Tensor  # [num_seqs]: chosen from the prefill's logits
+
+
+def _decode_dynamic(model, config, cache: _Cache, record: _Record, decoding, masks) -> None:
+    """The decode loop whose steps attend over one more column each (CPU, tensor parallelism,
+    CUDA with `cuda_graphs` off), eager or compiled (`config.compile`)."""
+    device, max_new, prompt_columns = model.device, config.max_new_tokens, decoding.prompt_columns
+    stop_mask, mask_stop = masks
+    # cos/sin for every decode step up front: step s feeds its token at position len_b + s.
+    step_positions = decoding.row_prompt_lens[None, :] + torch.arange(max_new, device=device)[:, None]
+    all_cos, all_sin = model.rotary.lookup(step_positions, model.dtype)  # [max_new, rows, 1, dim]
+    # The cache column of every decode step, made once: no host-to-device copy per step.
+    columns = torch.arange(prompt_columns, prompt_columns + max_new, device=device)
+    rule, with_sampling = SamplingRule.of(config), config.return_sampling_logprobs
+    has_stop_ids = decoding.stop_ids.numel() > 0
+    tokens = decoding.first_tokens
     decode = _decode_function(model, config.compile)
-    with _decode_threads(model, len(row_prompt_lens)):
+    with _decode_threads(model, len(decoding.row_prompt_lens)):
         for step in range(1, max_new):
-            if record.all_finished(config.check_done_every, bool(stop_ids)):
+            if record.all_finished(config.check_done_every, has_stop_ids):
                 break
-            seen = layout.max_seqlen + step  # the columns up to the one this step writes
+            seen = prompt_columns + step  # the columns up to the one this step writes
             score_bias, column_index = cache.score_bias[..., :seen], cache.column_index[:seen]
             if config.compile:  # compile one graph for every step, not one per column count
                 torch._dynamo.mark_dynamic(score_bias, 3)
@@ -425,17 +490,72 @@ def generate(
                 column_index,
                 stop_mask,
                 mask_stop[step],
-                draws[step],
+                decoding.draws[step],
             )
-            tokens = record.add(*chosen, stop_tensor)
-    steps = record.steps_done
-    return pack_outputs(
-        packed_prompts,
-        prompt_lens,
-        config.n,
-        record.tokens[:, :steps],
-        record.logprobs[:, :steps],
-        None if record.sampling_logprobs is None else record.sampling_logprobs[:, :steps],
-        record.response_lens,
-        record.finished,
+            tokens = record.add(*chosen, decoding.stop_ids)
+
+
+def _decode_static(model, config, prompt_cache: _Cache, first, row_prompt_lens, tables) -> _Record:
+    """The decode loop of `realrl.models.cuda_graphs`: each step replays a captured graph on
+    CUDA (or runs the same step eagerly elsewhere). Returns a record over views of the static
+    state, copied out by `pack_outputs` (the response lengths cloned here)."""
+    num_seqs, max_new = len(row_prompt_lens), config.max_new_tokens
+    prompt_columns = prompt_cache.keys[0].shape[2]
+    rule, with_sampling = SamplingRule.of(config), config.return_sampling_logprobs
+    capture = model.device.type == "cuda"
+    step_for = functools.partial(_static_step_for, model, config.compile)
+    last_columns = range(prompt_columns, prompt_columns + max_new - 1)  # the steps' columns
+    if capture:
+        graphs = getattr(model, "decode_graphs", None)
+        if graphs is None:
+            graphs = model.decode_graphs = DecodeGraphs()
+        bucket = graphs.state_for(model, num_seqs, prompt_columns + max_new)
+        state = bucket.state
+        keys = sorted({attended_columns(c, state.num_columns) for c in last_columns})
+        keys = [(attended, rule, with_sampling, config.compile) for attended in keys]
+        graphs.ensure_captured(bucket, keys, lambda key: step_for(key, state))
+    else:
+        state = StaticDecodeState.allocate(
+            model, row_bucket(num_seqs), prompt_columns + max_new
+        )
+    state.fill(model, prompt_cache, first, row_prompt_lens, tables)
+    has_stop_ids, steps = bool(config.resolved_stop_ids(model.config.eos_token_ids)), 1
+    for column in last_columns:
+        if has_stop_ids and steps % config.check_done_every == 0:
+            if bool(state.finished[:num_seqs].all()):  # the loop's only host sync
+                break
+        attended = attended_columns(column, state.num_columns)
+        if capture:
+            bucket.graphs[(attended, rule, with_sampling, config.compile)].replay()
+        else:
+            step_for((attended, rule, with_sampling, config.compile), state)()
+        steps += 1
+    recorded = slice(prompt_columns, prompt_columns + steps)
+    return _Record(
+        tokens=state.record_tokens[:num_seqs, recorded],
+        logprobs=state.record_logprobs[:num_seqs, recorded],
+        sampling_logprobs=state.record_sampling_logprobs[:num_seqs, recorded]
+        if with_sampling
+        else None,
+        finished=state.finished[:num_seqs].clone(),
+        response_lens=state.response_lens[:num_seqs].clone(),
+        steps_done=steps,
     )
+
+
+def _static_step_for(model: Transformer, compile_step: bool, key, state: StaticDecodeState):
+    """A no-argument call of `cuda_graphs.decode_step` for graph key (attended columns,
+    sampling rule, with sampling log-probs, compiled)."""
+    attended, rule, with_sampling, _ = key
+    step = decode_step
+    if compile_step:
+        step = getattr(model, "compiled_static_decode_step", None)
+        if step is None:
+            compiled = torch.compile(decode_step, fullgraph=True, dynamic=None)
+
+            def step(*args):
+                with explain_compile_failure("gen.compile", "the decode step"):
+                    return compiled(*args)
+
+            model.compiled_static_decode_step = step
+    return functools.partial(step, model, rule, with_sampling, attended, state)
