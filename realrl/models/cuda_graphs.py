@@ -23,10 +23,11 @@ Per-sequence stopping masks instead of reshaping: a finished row keeps decoding 
 past its `response_lens` and never read), so the batch shape and the graphs never change.
 
 Attention reads a prefix of the cache: the first `attended_columns(column)` columns, a multiple
-of `ATTENDED_COLUMN_BLOCK`, under a mask (prompt padding, columns after the one written, the
-sliding window). One graph per such prefix (captured lazily, all sharing the state's buffers)
-keeps the attention's reads within 32 columns of what the step needs; attending over the whole
-cache would read ~2x the keys/values a decode of 128 new tokens needs on average.
+of `ATTENDED_COLUMN_BLOCK` and never the whole cache (`state_columns`), under a mask (prompt
+padding, columns after the one written, the sliding window). One graph per such prefix
+(captured at the start of the first call that needs it, all sharing the state's buffers) keeps
+the attention's reads within 32 columns of what the step needs; attending over the whole cache
+would read ~2x the keys/values a decode of 128 new tokens needs on average.
 
 Why `torch.cuda.CUDAGraph` around our own step, not `torch.compile(mode="reduce-overhead")`.
 reduce-overhead's cudagraph trees copy every input that is not a parameter or a static-marked
@@ -76,10 +77,16 @@ def row_bucket(num_seqs: int) -> int:
     return -(-num_seqs // 64) * 64
 
 
-def attended_columns(column: int, num_columns: int) -> int:
+def attended_columns(column: int) -> int:
     """How many cache columns a step that writes `column` attends over."""
-    needed = -(-(column + 1) // ATTENDED_COLUMN_BLOCK) * ATTENDED_COLUMN_BLOCK
-    return min(needed, num_columns)
+    return -(-(column + 1) // ATTENDED_COLUMN_BLOCK) * ATTENDED_COLUMN_BLOCK
+
+
+def state_columns(needed: int) -> int:
+    """The fewest cache columns of a state for calls that write columns < `needed`: one block
+    more than any step attends over, so that a step never attends over the whole cache (a
+    compiled step would specialise on that case and compile again)."""
+    return attended_columns(needed - 1) + ATTENDED_COLUMN_BLOCK
 
 
 @dataclasses.dataclass
@@ -288,11 +295,12 @@ class DecodeGraphs:
             self.weights_fingerprint = fingerprint
         rows = row_bucket(num_seqs)
         bucket = self.buckets.pop(rows, None)
-        if bucket is None or bucket.state.num_columns < num_columns:
+        if bucket is None or bucket.state.num_columns < state_columns(num_columns):
             bucket = None  # free the smaller cache before allocating its replacement
             while len(self.buckets) >= MAX_ROW_BUCKETS:
                 self.buckets.popitem(last=False)
-            columns = -(-num_columns // CACHE_COLUMN_MULTIPLE) * CACHE_COLUMN_MULTIPLE
+            columns = state_columns(num_columns)
+            columns = -(-columns // CACHE_COLUMN_MULTIPLE) * CACHE_COLUMN_MULTIPLE
             bucket = _RowBucket(StaticDecodeState.allocate(model, rows, columns))
         self.buckets[rows] = bucket  # most recently used last
         return bucket

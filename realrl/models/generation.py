@@ -73,6 +73,7 @@ from realrl.models.cuda_graphs import (
     attended_columns,
     decode_step,
     row_bucket,
+    state_columns,
 )
 from realrl.models.layers import split_rotated_qkv
 from realrl.models.sampling import (
@@ -511,20 +512,19 @@ def _decode_static(model, config, prompt_cache: _Cache, first, row_prompt_lens, 
             graphs = model.decode_graphs = DecodeGraphs()
         bucket = graphs.state_for(model, num_seqs, prompt_columns + max_new)
         state = bucket.state
-        keys = sorted({attended_columns(c, state.num_columns) for c in last_columns})
+        keys = sorted({attended_columns(column) for column in last_columns})
         keys = [(attended, rule, with_sampling, config.compile) for attended in keys]
         graphs.ensure_captured(bucket, keys, lambda key: step_for(key, state))
     else:
-        state = StaticDecodeState.allocate(
-            model, row_bucket(num_seqs), prompt_columns + max_new
-        )
+        columns = state_columns(prompt_columns + max_new)
+        state = StaticDecodeState.allocate(model, row_bucket(num_seqs), columns)
     state.fill(model, prompt_cache, first, row_prompt_lens, tables)
     has_stop_ids, steps = bool(config.resolved_stop_ids(model.config.eos_token_ids)), 1
     for column in last_columns:
         if has_stop_ids and steps % config.check_done_every == 0:
             if bool(state.finished[:num_seqs].all()):  # the loop's only host sync
                 break
-        attended = attended_columns(column, state.num_columns)
+        attended = attended_columns(column)
         if capture:
             bucket.graphs[(attended, rule, with_sampling, config.compile)].replay()
         else:
@@ -551,7 +551,7 @@ def _static_step_for(model: Transformer, compile_step: bool, key, state: StaticD
     if compile_step:
         step = getattr(model, "compiled_static_decode_step", None)
         if step is None:
-            compiled = torch.compile(decode_step, fullgraph=True, dynamic=None)
+            compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
 
             def step(*args):
                 with explain_compile_failure("gen.compile", "the decode step"):
