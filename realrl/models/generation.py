@@ -1,5 +1,17 @@
 """Batched sampling with a preallocated key/value cache, in plain torch (CPU and GPU).
 
+Two decode paths share the prefill, the token choice and the output:
+- CUDA at tensor-parallel size 1 (`GenerationConfig.cuda_graphs`, on by default): static-shape
+  steps over a state allocated once per batch-size bucket, captured as CUDA graphs and
+  replayed, one launch per step (`realrl.models.cuda_graphs`, which says why and how); with
+  `compile` the captured step is inductor's. The same steps run uncaptured on CPU in tests,
+  where they give the tokens of the path below.
+- Everything else (CPU, tensor parallelism, `cuda_graphs=False`): the steps described below,
+  eager or compiled, launched from Python every step.
+GPU timings of the captured path are pending a run of `benchmarks/bench_gpu_generation.py`
+on an H100; before it, eager CUDA decoding measured 20.6 ms per step at 64 rows and the
+compiled step 5.6 ms, against a floor of 0.39 ms (`benchmarks/results/gpu_generation_h100.txt`).
+
 Notation: `num_prompts` prompts, each sampled `n` times, give `num_seqs = num_prompts * n`
 sequences, grouped: the n samples of prompt 0 first, then those of prompt 1, and so on.
 
