@@ -9,6 +9,7 @@ Engines (`--engines`, any subset, comma-separated):
 - `realrl_compiled_eager`: `gen.compile=true` without graphs (a compiled step with a dynamic
   column count, launched from Python every step).
 - `transformers`: `model.generate` with sampling.
+The default runs `realrl_compiled` last: its compile takes a minute or more on the first call.
 
 The model is shaped like Qwen2.5-0.5B (random weights, bf16, `bench_setup.MODEL_SIZES`). For
 each batch size: prompts of 8-24 tokens, `--new-tokens` sampled tokens each (min = max, so every
@@ -131,7 +132,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines",
-                        default="realrl_eager,realrl_graphs,realrl_compiled,transformers",
+                        default="realrl_eager,realrl_graphs,transformers,realrl_compiled",
                         help=f"comma-separated subset of {', '.join(ENGINES)}")
     parser.add_argument("--profile-engine", default="realrl_graphs",
                         help="the realrl engine profiled at the first batch size ('' for none)")

@@ -44,17 +44,28 @@ reallocated (`model.to(...)`, a new tensor assigned to `.data`) changes the fing
 addresses taken at every `generate` call, and every graph is dropped and captured again.
 `release_decode_graphs(model)` frees the graphs and their states (the KV caches) for memory
 that training needs; the next `generate` allocates and captures again.
+
+Numerics. The step is `Block.forward`'s math with two differences: RMSNorm in one kernel
+(`_norm`, bit-equal on CPU) and attention as four small ops over a masked prefix. In fp32 it
+gives the launched path's tokens and log-probs within 1e-5 (tests on CPU, and against
+transformers' greedy output on CUDA); in bf16 the rounding order differs, so greedy tokens agree
+up to a near-tie (0.05 nats apart in fp32) and log-probs stay within 0.1 nats of a forward.
+
+Speed on an H100: pending the lead's run of `benchmarks/bench_gpu_generation.py` (engines
+`realrl_graphs`, `realrl_compiled`, `realrl_eager`, `transformers`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from realrl.models.compiled import explain_compile_failure
 from realrl.models.sampling import SamplingRule, choose_tokens
 from realrl.models.transformer import Block, Transformer
 
@@ -326,6 +337,75 @@ class DecodeGraphs:
                 step()
             bucket.graphs[key] = graph
             self.captures += 1
+
+
+def decode_static(model: Transformer, config, prompt_cache, first, row_prompt_lens, tables):
+    """The decode loop of `generate` with static steps: each step replays a captured graph on
+    CUDA (or runs the same step uncaptured elsewhere). `prompt_cache` is generation's cache of
+    the prompts (keys/values [num_seqs, kv_heads, prompt_columns, head_dim] per layer and their
+    score bias); `first`, `row_prompt_lens` and `tables` as `StaticDecodeState.fill` takes them.
+
+    Returns tokens, log-probs, sampling log-probs or None (each [num_seqs, steps], views of the
+    state that the caller copies out before the next call), finished and response lengths
+    ([num_seqs], copies) and the number of steps, in `generation._Record`'s field order."""
+    num_seqs, max_new = len(row_prompt_lens), config.max_new_tokens
+    prompt_columns = prompt_cache.keys[0].shape[2]
+    rule, with_sampling = SamplingRule.of(config), config.return_sampling_logprobs
+    capture = model.device.type == "cuda"
+    step_for = functools.partial(_step_for, model, config.compile)
+    last_columns = range(prompt_columns, prompt_columns + max_new - 1)  # the steps' columns
+    if capture:
+        graphs = getattr(model, "decode_graphs", None)
+        if graphs is None:
+            graphs = model.decode_graphs = DecodeGraphs()
+        bucket = graphs.state_for(model, num_seqs, prompt_columns + max_new)
+        state = bucket.state
+        keys = sorted({attended_columns(column) for column in last_columns})
+        keys = [(attended, rule, with_sampling, config.compile) for attended in keys]
+        graphs.ensure_captured(bucket, keys, lambda key: step_for(key, state))
+    else:
+        columns = state_columns(prompt_columns + max_new)
+        state = StaticDecodeState.allocate(model, row_bucket(num_seqs), columns)
+    state.fill(model, prompt_cache, first, row_prompt_lens, tables)
+    has_stop_ids, steps = bool(config.resolved_stop_ids(model.config.eos_token_ids)), 1
+    for column in last_columns:
+        if has_stop_ids and steps % config.check_done_every == 0:
+            if bool(state.finished[:num_seqs].all()):  # the loop's only host sync
+                break
+        attended = attended_columns(column)
+        if capture:
+            bucket.graphs[(attended, rule, with_sampling, config.compile)].replay()
+        else:
+            step_for((attended, rule, with_sampling, config.compile), state)()
+        steps += 1
+    recorded = slice(prompt_columns, prompt_columns + steps)
+    sampling_logprobs = state.record_sampling_logprobs[:num_seqs, recorded]
+    return (
+        state.record_tokens[:num_seqs, recorded],
+        state.record_logprobs[:num_seqs, recorded],
+        sampling_logprobs if with_sampling else None,
+        state.finished[:num_seqs].clone(),
+        state.response_lens[:num_seqs].clone(),
+        steps,
+    )
+
+
+def _step_for(model: Transformer, compile_step: bool, key, state: StaticDecodeState):
+    """A no-argument call of `decode_step` for graph key (attended columns,
+    sampling rule, with sampling log-probs, compiled)."""
+    attended, rule, with_sampling, _ = key
+    step = decode_step
+    if compile_step:
+        step = getattr(model, "compiled_static_decode_step", None)
+        if step is None:
+            compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
+
+            def step(*args):
+                with explain_compile_failure("gen.compile", "the decode step"):
+                    return compiled(*args)
+
+            model.compiled_static_decode_step = step
+    return functools.partial(step, model, rule, with_sampling, attended, state)
 
 
 def release_decode_graphs(model: Transformer) -> None:

@@ -79,14 +79,7 @@ import torch.nn.functional as F
 
 from realrl.models.attention import PackedLayout, varlen_attention
 from realrl.models.compiled import explain_compile_failure
-from realrl.models.cuda_graphs import (
-    DecodeGraphs,
-    StaticDecodeState,
-    attended_columns,
-    decode_step,
-    row_bucket,
-    state_columns,
-)
+from realrl.models.cuda_graphs import decode_static
 from realrl.models.layers import split_rotated_qkv
 from realrl.models.sampling import (
     GenerationConfig,
@@ -437,7 +430,8 @@ def _generate(
     first = choose_tokens(logits, rule, stop_mask & mask_stop[0], draws[0], with_sampling)
     if static_steps:
         tables = (stop_mask, mask_stop, draws)
-        record = _decode_static(model, config, cache, first, row_prompt_lens, tables)
+        decoded = decode_static(model, config, cache, first, row_prompt_lens, tables)
+        record = _Record(*decoded)
     else:
         record = _Record.allocate(len(row_prompt_lens), max_new, with_sampling, device)
         record.add(*first, stop_tensor)
@@ -473,7 +467,8 @@ def _decode_dynamic(model, config, cache: _Cache, record: _Record, decoding, mas
     device, max_new, prompt_columns = model.device, config.max_new_tokens, decoding.prompt_columns
     stop_mask, mask_stop = masks
     # cos/sin for every decode step up front: step s feeds its token at position len_b + s.
-    step_positions = decoding.row_prompt_lens[None, :] + torch.arange(max_new, device=device)[:, None]
+    step_offsets = torch.arange(max_new, device=device)[:, None]
+    step_positions = decoding.row_prompt_lens[None, :] + step_offsets  # [max_new, rows]
     all_cos, all_sin = model.rotary.lookup(step_positions, model.dtype)  # [max_new, rows, 1, dim]
     # The cache column of every decode step, made once: no host-to-device copy per step.
     columns = torch.arange(prompt_columns, prompt_columns + max_new, device=device)
@@ -506,68 +501,3 @@ def _decode_dynamic(model, config, cache: _Cache, record: _Record, decoding, mas
                 decoding.draws[step],
             )
             tokens = record.add(*chosen, decoding.stop_ids)
-
-
-def _decode_static(model, config, prompt_cache: _Cache, first, row_prompt_lens, tables) -> _Record:
-    """The decode loop of `realrl.models.cuda_graphs`: each step replays a captured graph on
-    CUDA (or runs the same step eagerly elsewhere). Returns a record over views of the static
-    state, copied out by `pack_outputs` (the response lengths cloned here)."""
-    num_seqs, max_new = len(row_prompt_lens), config.max_new_tokens
-    prompt_columns = prompt_cache.keys[0].shape[2]
-    rule, with_sampling = SamplingRule.of(config), config.return_sampling_logprobs
-    capture = model.device.type == "cuda"
-    step_for = functools.partial(_static_step_for, model, config.compile)
-    last_columns = range(prompt_columns, prompt_columns + max_new - 1)  # the steps' columns
-    if capture:
-        graphs = getattr(model, "decode_graphs", None)
-        if graphs is None:
-            graphs = model.decode_graphs = DecodeGraphs()
-        bucket = graphs.state_for(model, num_seqs, prompt_columns + max_new)
-        state = bucket.state
-        keys = sorted({attended_columns(column) for column in last_columns})
-        keys = [(attended, rule, with_sampling, config.compile) for attended in keys]
-        graphs.ensure_captured(bucket, keys, lambda key: step_for(key, state))
-    else:
-        columns = state_columns(prompt_columns + max_new)
-        state = StaticDecodeState.allocate(model, row_bucket(num_seqs), columns)
-    state.fill(model, prompt_cache, first, row_prompt_lens, tables)
-    has_stop_ids, steps = bool(config.resolved_stop_ids(model.config.eos_token_ids)), 1
-    for column in last_columns:
-        if has_stop_ids and steps % config.check_done_every == 0:
-            if bool(state.finished[:num_seqs].all()):  # the loop's only host sync
-                break
-        attended = attended_columns(column)
-        if capture:
-            bucket.graphs[(attended, rule, with_sampling, config.compile)].replay()
-        else:
-            step_for((attended, rule, with_sampling, config.compile), state)()
-        steps += 1
-    recorded = slice(prompt_columns, prompt_columns + steps)
-    return _Record(
-        tokens=state.record_tokens[:num_seqs, recorded],
-        logprobs=state.record_logprobs[:num_seqs, recorded],
-        sampling_logprobs=state.record_sampling_logprobs[:num_seqs, recorded]
-        if with_sampling
-        else None,
-        finished=state.finished[:num_seqs].clone(),
-        response_lens=state.response_lens[:num_seqs].clone(),
-        steps_done=steps,
-    )
-
-
-def _static_step_for(model: Transformer, compile_step: bool, key, state: StaticDecodeState):
-    """A no-argument call of `cuda_graphs.decode_step` for graph key (attended columns,
-    sampling rule, with sampling log-probs, compiled)."""
-    attended, rule, with_sampling, _ = key
-    step = decode_step
-    if compile_step:
-        step = getattr(model, "compiled_static_decode_step", None)
-        if step is None:
-            compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
-
-            def step(*args):
-                with explain_compile_failure("gen.compile", "the decode step"):
-                    return compiled(*args)
-
-            model.compiled_static_decode_step = step
-    return functools.partial(step, model, rule, with_sampling, attended, state)
