@@ -1,5 +1,16 @@
 """Decode speed on one CUDA GPU: realrl's generation engine against transformers' `generate`.
 
+Engines (`--engines`, any subset, comma-separated):
+- `realrl_graphs`: the default on CUDA, decode steps captured as CUDA graphs and replayed
+  (`realrl.models.cuda_graphs`); its first call includes the captures.
+- `realrl_compiled`: `gen.compile=true` on CUDA: the same steps compiled by inductor, then
+  captured; its first call includes the compile.
+- `realrl_eager`: `gen.cuda_graphs=false`, eager steps (the path before graphs).
+- `realrl_compiled_eager`: `gen.compile=true` without graphs (a compiled step with a dynamic
+  column count, launched from Python every step).
+- `transformers`: `model.generate` with sampling.
+The default runs `realrl_compiled` last: its compile takes a minute or more on the first call.
+
 The model is shaped like Qwen2.5-0.5B (random weights, bf16, `bench_setup.MODEL_SIZES`). For
 each batch size: prompts of 8-24 tokens, `--new-tokens` sampled tokens each (min = max, so every
 engine decodes the same number of steps), temperature 1. Reported per engine: wall seconds of
@@ -7,7 +18,8 @@ the whole call (median of `--repeats` after one warm-up), generated tokens/s, mi
 decode step, and that step's floor: the larger of the bytes it must read (bf16 weights once,
 plus the KV cache at its mean length) over memory bandwidth and its FLOPs over the bf16 matrix
 rate (both measured on the machine at start). A torch.profiler table of realrl's eager decode
-at the first batch size says where its time goes. Writes JSON to `--output`.
+of `--profile-engine` at the first batch size says where its time goes. Writes JSON to
+`--output` after every measured row, so a run cut short keeps what it measured.
 
     python3 benchmarks/bench_gpu_generation.py --output gpu_generation.json
 """
@@ -57,12 +69,23 @@ def make_prompts(batch: int, vocab: int, seed: int) -> list[torch.Tensor]:
     return [torch.randint(2, vocab, (int(n),), generator=generator) for n in lengths]
 
 
-def realrl_runner(model, prompts, new_tokens: int, compile_decode: bool):
+# realrl engine -> (gen.compile, gen.cuda_graphs)
+REALRL_ENGINES = {
+    "realrl_graphs": (False, True),
+    "realrl_compiled": (True, True),
+    "realrl_eager": (False, False),
+    "realrl_compiled_eager": (True, False),
+}
+ENGINES = (*REALRL_ENGINES, "transformers")
+
+
+def realrl_runner(model, prompts, new_tokens: int, engine: str):
     packed = torch.cat(prompts).cuda()
     cu_seqlens = torch.zeros(len(prompts) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.tensor([len(p) for p in prompts]).cumsum(0)
+    compile_decode, cuda_graphs = REALRL_ENGINES[engine]
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              compile=compile_decode)
+                              compile=compile_decode, cuda_graphs=cuda_graphs)
 
     def run(seed: int):
         generator = torch.Generator(device="cuda").manual_seed(seed)
@@ -108,9 +131,18 @@ def main() -> None:
     parser.add_argument("--batches", default="64,512")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default="realrl,transformers,realrl_compiled")
+    parser.add_argument("--engines",
+                        default="realrl_eager,realrl_graphs,transformers,realrl_compiled",
+                        help=f"comma-separated subset of {', '.join(ENGINES)}")
+    parser.add_argument("--profile-engine", default="realrl_graphs",
+                        help="the realrl engine profiled at the first batch size ('' for none)")
     parser.add_argument("--output", default="gpu_generation.json")
     args = parser.parse_args()
+    engines = args.engines.split(",")
+    unknown = [e for e in engines + [args.profile_engine] if e and e not in ENGINES]
+    if unknown or args.profile_engine == "transformers":
+        parser.error(f"unknown or unprofilable engine(s) {unknown or ['transformers']}; "
+                     f"--engines takes {', '.join(ENGINES)} and --profile-engine the realrl ones")
     from transformers import AutoModelForCausalLM
 
     ceilings = measured_ceilings()
@@ -119,7 +151,7 @@ def main() -> None:
         config = json.loads(open(f"{directory}/config.json").read())
         model = load_pretrained(directory, dtype=torch.bfloat16, device="cuda").eval()
         hf_model = None
-        if "transformers" in args.engines:
+        if "transformers" in engines:
             hf_model = AutoModelForCausalLM.from_pretrained(
                 directory, dtype=torch.bfloat16).cuda().eval()
     params = sum(p.numel() for p in model.parameters())
@@ -136,12 +168,11 @@ def main() -> None:
         floor = decode_floor_s(config, params, batch, mean_prompt + args.new_tokens / 2,
                                ceilings)
         runners = {}
-        for engine in args.engines.split(","):
+        for engine in engines:
             if engine == "transformers":
                 runners[engine] = transformers_runner(hf_model, prompts, args.new_tokens)
             else:
-                runners[engine] = realrl_runner(model, prompts, args.new_tokens,
-                                                compile_decode=engine == "realrl_compiled")
+                runners[engine] = realrl_runner(model, prompts, args.new_tokens, engine)
         for engine, run in runners.items():
             try:
                 first_s = timed(functools.partial(run, 0))
@@ -150,7 +181,9 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001 - a failing engine is a result too
                 report["rows"].append({"batch": batch, "engine": engine,
                                        "error": f"{type(error).__name__}: {error}"[:2000]})
-                print(f"batch {batch:4d} {engine:<17} failed: {type(error).__name__}: {error}")
+                print(f"batch {batch:4d} {engine:<21} failed: {type(error).__name__}: {error}",
+                      flush=True)
+                write_report(report, args.output)
                 continue
             step_ms = seconds / args.new_tokens * 1e3
             row = {"batch": batch, "engine": engine, "first_call_s": first_s,
@@ -158,23 +191,36 @@ def main() -> None:
                    "ms_per_step": step_ms, "floor_ms_per_step": floor * 1e3,
                    "x_floor": step_ms / (floor * 1e3),
                    "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30}
+            graphs = getattr(model, "decode_graphs", None)
+            row["graph_captures_so_far"] = graphs.captures if graphs is not None else 0
             report["rows"].append(row)
-            print(f"batch {batch:4d} {engine:<17} {seconds:7.2f} s  "
+            print(f"batch {batch:4d} {engine:<21} {seconds:7.2f} s  "
                   f"{row['tokens_per_s']:9.0f} tok/s  {step_ms:7.2f} ms/step  "
                   f"(floor {floor * 1e3:.2f} ms: {row['x_floor']:.1f}x)  first call "
-                  f"{first_s:.1f} s")
+                  f"{first_s:.1f} s", flush=True)
+            write_report(report, args.output)
+    if args.profile_engine:
+        profile_engine(model, config, args, report)
+    write_report(report, args.output)
+
+
+def profile_engine(model, config: dict, args, report: dict) -> None:
+    """A torch.profiler table of one call of `--profile-engine` at the first batch size."""
     batch = int(args.batches.split(",")[0])
     run = realrl_runner(model, make_prompts(batch, config["vocab_size"], batch),
-                        args.new_tokens, compile_decode=False)
+                        args.new_tokens, args.profile_engine)
     run(0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as profile:
         run(1)
         torch.cuda.synchronize()
     table = profile.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    report["profile_realrl_eager"] = table
+    report[f"profile_{args.profile_engine}"] = table
     print(table)
-    with open(args.output, "w") as handle:
+
+
+def write_report(report: dict, path: str) -> None:
+    with open(path, "w") as handle:
         json.dump(report, handle, indent=1)
 
 

@@ -26,6 +26,14 @@ class GenerationHyperparameters:
         "a compile of 5-15 s and, the first time the batch shape changes, one more with "
         "dynamic shapes (needs a C++ compiler on CPU).",
     )
+    cuda_graphs: bool = help_field(
+        True,
+        "On CUDA at tensor-parallel size 1, replay decode steps captured as CUDA graphs "
+        "(realrl.models.cuda_graphs): one launch per step instead of hundreds of kernel "
+        "launches; with `compile` the compiled step is captured. Their state (a KV cache per "
+        "batch-size bucket) stays allocated between calls. false: eager or compiled steps "
+        "launched from Python every step. No effect on CPU.",
+    )
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

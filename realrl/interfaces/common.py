@@ -92,6 +92,7 @@ def sampling_config(hyperparameters: GenerationHyperparameters, n: int, engine) 
         stop_token_ids=list(hyperparameters.stop_token_ids),
         eos_token_id=eos_token_id,
         compile=hyperparameters.compile,
+        cuda_graphs=hyperparameters.cuda_graphs,
     )
 
 

@@ -1,5 +1,17 @@
 """Batched sampling with a preallocated key/value cache, in plain torch (CPU and GPU).
 
+Two decode paths share the prefill, the token choice and the output:
+- CUDA at tensor-parallel size 1 (`GenerationConfig.cuda_graphs`, on by default): static-shape
+  steps over a state allocated once per batch-size bucket, captured as CUDA graphs and
+  replayed, one launch per step (`realrl.models.cuda_graphs`, which says why and how); with
+  `compile` the captured step is inductor's. The same steps run uncaptured on CPU in tests,
+  where they give the tokens of the path below.
+- Everything else (CPU, tensor parallelism, `cuda_graphs=False`): the steps described below,
+  eager or compiled, launched from Python every step.
+GPU timings of the captured path are pending a run of `benchmarks/bench_gpu_generation.py`
+on an H100; before it, eager CUDA decoding measured 20.6 ms per step at 64 rows and the
+compiled step 5.6 ms, against a floor of 0.39 ms (`benchmarks/results/gpu_generation_h100.txt`).
+
 Notation: `num_prompts` prompts, each sampled `n` times, give `num_seqs = num_prompts * n`
 sequences, grouped: the n samples of prompt 0 first, then those of prompt 1, and so on.
 
@@ -67,6 +79,7 @@ import torch.nn.functional as F
 
 from realrl.models.attention import PackedLayout, varlen_attention
 from realrl.models.compiled import explain_compile_failure
+from realrl.models.cuda_graphs import decode_static
 from realrl.models.layers import split_rotated_qkv
 from realrl.models.sampling import (
     GenerationConfig,
@@ -354,6 +367,12 @@ def _decode_threads(model: Transformer, num_rows: int):
         torch.set_num_threads(threads)
 
 
+def uses_cuda_graphs(model: Transformer, config: GenerationConfig) -> bool:
+    """Whether `generate` replays captured decode steps (`realrl.models.cuda_graphs`): on CUDA
+    at tensor-parallel size 1 unless `config.cuda_graphs` is off."""
+    return config.cuda_graphs and model.device.type == "cuda" and model.tp_size == 1
+
+
 @torch.no_grad()
 def generate(
     model: Transformer,
@@ -368,6 +387,21 @@ def generate(
     Costs two host syncs (reading the prompt lengths and, at the end, the response
     lengths) plus one "all finished?" check every `config.check_done_every` steps.
     """
+    static_steps = uses_cuda_graphs(model, config)
+    return _generate(model, packed_prompts, prompt_cu_seqlens, config, generator, static_steps)
+
+
+@torch.no_grad()
+def _generate(
+    model: Transformer,
+    packed_prompts: torch.Tensor,  # [total_prompt_tokens]
+    prompt_cu_seqlens: torch.Tensor,  # [num_prompts + 1]
+    config: GenerationConfig,
+    generator: torch.Generator,
+    static_steps: bool,
+) -> GenerationOutput:
+    """`generate`; with `static_steps` the decode steps of `realrl.models.cuda_graphs`
+    (captured as CUDA graphs on CUDA, run as they are elsewhere: the tests' CPU twin)."""
     if model.config.is_critic:
         raise ValueError("generate() needs a language model, but this model is a critic")
     config.validate()
@@ -376,7 +410,9 @@ def generate(
     layout = PackedLayout.from_cu_seqlens(prompt_cu_seqlens.to(device))
     model.rotary.ensure_capacity(layout.max_seqlen + max_new, device)
     num_columns = layout.max_seqlen + max_new
-    if config.compile:
+    if static_steps:  # the prefill's cache holds the prompts; the static state the rest
+        num_columns = layout.max_seqlen
+    elif config.compile:
         num_columns = -(-num_columns // COMPILED_COLUMN_MULTIPLE) * COMPILED_COLUMN_MULTIPLE
     cache, logits, prompt_lens = _prefill_and_expand(
         model, packed_prompts, layout, config.n, num_columns
@@ -384,15 +420,6 @@ def generate(
     row_prompt_lens = prompt_lens.repeat_interleave(config.n)  # [num_seqs]
     stop_ids = config.resolved_stop_ids(model.config.eos_token_ids)
     stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    # cos/sin for every decode step up front: step s feeds its token at position len_b + s.
-    step_positions = row_prompt_lens[None, :] + torch.arange(max_new, device=device)[:, None]
-    all_cos, all_sin = model.rotary.lookup(step_positions, model.dtype)  # [max_new, rows, 1, dim]
-    # The cache column of every decode step, made once: no host-to-device copy per step.
-    columns = torch.arange(layout.max_seqlen, layout.max_seqlen + max_new, device=device)
-
-    record = _Record.allocate(
-        len(row_prompt_lens), max_new, config.return_sampling_logprobs, device
-    )
     # Sampling happens inside the (compiled) step: its uniforms are drawn here, one per row and
     # step, and min_new_tokens becomes a per-step flag over a fixed stop-token mask.
     rule, with_sampling = SamplingRule.of(config), config.return_sampling_logprobs
@@ -401,13 +428,59 @@ def generate(
     stop_mask[stop_tensor] = True
     mask_stop = torch.arange(max_new, device=device) < config.min_new_tokens  # [max_new]
     first = choose_tokens(logits, rule, stop_mask & mask_stop[0], draws[0], with_sampling)
-    tokens = record.add(*first, stop_tensor)
+    if static_steps:
+        tables = (stop_mask, mask_stop, draws)
+        decoded = decode_static(model, config, cache, first, row_prompt_lens, tables)
+        record = _Record(*decoded)
+    else:
+        record = _Record.allocate(len(row_prompt_lens), max_new, with_sampling, device)
+        record.add(*first, stop_tensor)
+        decoding = _DynamicDecoding(
+            layout.max_seqlen, row_prompt_lens, stop_tensor, draws, first_tokens=first[0]
+        )
+        _decode_dynamic(model, config, cache, record, decoding, (stop_mask, mask_stop))
+    steps = record.steps_done
+    return pack_outputs(
+        packed_prompts,
+        prompt_lens,
+        config.n,
+        record.tokens[:, :steps],
+        record.logprobs[:, :steps],
+        None if record.sampling_logprobs is None else record.sampling_logprobs[:, :steps],
+        record.response_lens,
+        record.finished,
+    )
+
+
+@dataclasses.dataclass
+class _DynamicDecoding:
+    prompt_columns: int  # the longest prompt: the first decode step writes this column
+    row_prompt_lens: torch.Tensor  # [num_seqs]
+    stop_ids: torch.Tensor  # [num_stop_ids] long
+    draws: torch.Tensor  # [max_new, num_seqs, 1] uniforms
+    first_tokens: torch.Tensor  # [num_seqs]: chosen from the prefill's logits
+
+
+def _decode_dynamic(model, config, cache: _Cache, record: _Record, decoding, masks) -> None:
+    """The decode loop whose steps attend over one more column each (CPU, tensor parallelism,
+    CUDA with `cuda_graphs` off), eager or compiled (`config.compile`)."""
+    device, max_new, prompt_columns = model.device, config.max_new_tokens, decoding.prompt_columns
+    stop_mask, mask_stop = masks
+    # cos/sin for every decode step up front: step s feeds its token at position len_b + s.
+    step_offsets = torch.arange(max_new, device=device)[:, None]
+    step_positions = decoding.row_prompt_lens[None, :] + step_offsets  # [max_new, rows]
+    all_cos, all_sin = model.rotary.lookup(step_positions, model.dtype)  # [max_new, rows, 1, dim]
+    # The cache column of every decode step, made once: no host-to-device copy per step.
+    columns = torch.arange(prompt_columns, prompt_columns + max_new, device=device)
+    rule, with_sampling = SamplingRule.of(config), config.return_sampling_logprobs
+    has_stop_ids = decoding.stop_ids.numel() > 0
+    tokens = decoding.first_tokens
     decode = _decode_function(model, config.compile)
-    with _decode_threads(model, len(row_prompt_lens)):
+    with _decode_threads(model, len(decoding.row_prompt_lens)):
         for step in range(1, max_new):
-            if record.all_finished(config.check_done_every, bool(stop_ids)):
+            if record.all_finished(config.check_done_every, has_stop_ids):
                 break
-            seen = layout.max_seqlen + step  # the columns up to the one this step writes
+            seen = prompt_columns + step  # the columns up to the one this step writes
             score_bias, column_index = cache.score_bias[..., :seen], cache.column_index[:seen]
             if config.compile:  # compile one graph for every step, not one per column count
                 torch._dynamo.mark_dynamic(score_bias, 3)
@@ -425,17 +498,6 @@ def generate(
                 column_index,
                 stop_mask,
                 mask_stop[step],
-                draws[step],
+                decoding.draws[step],
             )
-            tokens = record.add(*chosen, stop_tensor)
-    steps = record.steps_done
-    return pack_outputs(
-        packed_prompts,
-        prompt_lens,
-        config.n,
-        record.tokens[:, :steps],
-        record.logprobs[:, :steps],
-        None if record.sampling_logprobs is None else record.sampling_logprobs[:, :steps],
-        record.response_lens,
-        record.finished,
-    )
+            tokens = record.add(*chosen, decoding.stop_ids)

@@ -30,6 +30,9 @@ class GenerationConfig:
     return_sampling_logprobs: bool = False
     check_done_every: int = 4
     compile: bool = False  # torch.compile the decode step (see realrl.models.generation)
+    # On CUDA (tensor-parallel size 1), replay decode steps captured as CUDA graphs
+    # (realrl.models.cuda_graphs); off: the eager or compiled steps of the CPU path.
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         problems = []

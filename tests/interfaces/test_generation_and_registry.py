@@ -4,6 +4,7 @@ from conftest import build_model, make_engine, prompt_batch
 from realrl.api.dfg import MicroBatchSpec
 from realrl.api.rl_config import GenerationHyperparameters
 from realrl.backends.torch_engine import ParallelContext
+from realrl.interfaces.common import sampling_config
 from realrl.interfaces.configs import INTERFACE_CONFIGS, DPOConfig, GenerationConfig, SFTConfig
 from realrl.interfaces.generation import GenerationInterface
 from realrl.interfaces.registry import INTERFACES, make_interface
@@ -56,3 +57,10 @@ def test_registry_lists_valid_names_and_rejects_a_wrong_config_type():
 def test_unsupported_calls_name_the_interface_and_what_it_supports():
     with pytest.raises(NotImplementedError, match="'dpo' has no generate.*supports train_step"):
         make_interface("dpo").generate(None, None, MicroBatchSpec())
+
+
+def test_sampling_config_carries_the_decode_step_keys(tokenizer):
+    engine = make_engine(build_model(len(tokenizer)), tokenizer, lr=None)
+    hyperparameters = GenerationHyperparameters(compile=True, cuda_graphs=False)
+    config = sampling_config(hyperparameters, 2, engine)
+    assert (config.n, config.compile, config.cuda_graphs) == (2, True, False)
