@@ -4,9 +4,9 @@
 # Qwen2.5-0.5B-shaped model (random weights, written by benchmarks/bench_setup.py), keeping
 # each run's console output and metrics.
 #
-#   bash benchmarks/run_gpu_ppo.sh [OUTPUT_DIR (benchmarks/results)] [STEPS (20)] [SIZES]
+#   bash benchmarks/run_gpu_ppo.sh [OUTPUT_DIR (benchmarks/results)] [STEPS (20)] [SIZES] [ALGOS]
 #
-# SIZES defaults to "tiny qwen2.5-0.5b". Installs `.whl/` like run_gpu_tests.sh. Each run
+# SIZES defaults to "tiny qwen2.5-0.5b", ALGOS to "grpo ppo". Installs `.whl/` like run_gpu_tests.sh. Each run
 # writes OUTPUT_DIR/gpu_ppo_<size>_<algo>.txt (console, then the worker's log tail) and
 # OUTPUT_DIR/gpu_ppo_<size>_<algo>.jsonl (metrics); runs go under /tmp/realrl-gpu-runs.
 set -uo pipefail
@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results}
 steps=${2:-20}
 sizes=${3:-"tiny qwen2.5-0.5b"}
+algos=${4:-"grpo ppo"}
 mkdir -p "$out"
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -31,7 +32,7 @@ for size in $sizes; do
     model=(actor.path="/tmp/realrl-gpu-models/$size" dtype=bfloat16 gen.max_new_tokens=128
            ppo.entropy_coef=0.01)  # random weights earn no reward: no advantage without it
   fi
-  for algo in grpo ppo; do
+  for algo in $algos; do
     extra=()
     [ "$algo" = grpo ] && extra=(ppo.disable_value=true ppo.adv_estimator=grpo)
     name="gpu_ppo_${size}_${algo}"
