@@ -69,7 +69,10 @@ class _WorkerProcess:
         self._buffer = b""
         ready = self._read_line(time.monotonic() + self._startup_timeout_s)
         if ready is None or not ready.get("ready"):
-            exit_code = self._process.poll()
+            try:  # a child that closed its output is exiting: give it a moment to be reaped
+                exit_code = self._process.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                exit_code = None
             self._stderr.seek(0)
             output = self._stderr.read().decode(errors="replace").strip()[-2000:]
             self.kill()
