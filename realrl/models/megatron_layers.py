@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,15 +72,20 @@ from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntrop
 from megatron.core.tensor_parallel.utils import VocabUtility  # noqa: E402
 
 
-def megatron_config(tp_size: int, dtype: torch.dtype) -> ModelParallelConfig:
+def megatron_config(
+    tp_size: int, dtype: torch.dtype, sequence_parallel: bool = False
+) -> ModelParallelConfig:
     """The `ModelParallelConfig` every layer gets: weights made on the default device (CPU, or
     the device of an enclosing `torch.device` context) and left uninitialised, because a
-    tensor-parallel module is always filled from a full state dict (`shard_module`)."""
+    tensor-parallel module is always filled from a full state dict (`shard_module`).
+    `sequence_parallel`: column-parallel layers all-gather a token-split input and row-parallel
+    ones reduce-scatter their output (Korthikanti et al. 2022)."""
     return ModelParallelConfig(
         tensor_model_parallel_size=tp_size,
         use_cpu_initialization=True,
         perform_initialization=False,
         params_dtype=dtype,
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -134,6 +140,24 @@ class VocabParallelHead(megatron_tp.ColumnParallelLinear):
         return gather_vocabulary(logits, self.tp_group) if gather_vocab else logits
 
 
+def _pad_rows(tensor: torch.Tensor, padding: int) -> torch.Tensor:
+    """`tensor` [rows, ...] with `padding` zero rows appended."""
+    if padding == 0:
+        return tensor
+    return torch.cat((tensor, tensor.new_zeros((padding, *tensor.shape[1:]))))
+
+
+def _ensure_global_memory_buffer() -> None:
+    """megatron's sequence-parallel linears all-gather their input into a scratch buffer of
+    `parallel_state` (`get_global_memory_buffer`; it holds no process group, and one per
+    process serves every layout); `initialize_model_parallel`, which realrl never calls, would
+    make it."""
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
 def gather_vocabulary(logits: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Full-vocabulary logits [..., vocab] from every rank's slice [..., vocab / tp] (ranks in
     vocabulary order). Not differentiable: for sampling only."""
@@ -151,10 +175,22 @@ class TensorParallelLayerFactory:
     """`LayerFactory` making megatron-core tensor-parallel layers on `process_group`, with
     weights of `dtype`."""
 
-    def __init__(self, process_group: dist.ProcessGroup, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup,
+        dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
+    ):
         self.process_group = process_group
         self.tp_size = process_group.size()
-        self.config = megatron_config(self.tp_size, dtype)
+        # Off at tp size 1, as megatron turns it off there: nothing to split.
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.config = megatron_config(self.tp_size, dtype, self.sequence_parallel)
+        # The LM head takes the gathered sequence and all-reduces its input's gradient, as
+        # without sequence parallelism (see the module docstring).
+        self.head_config = megatron_config(self.tp_size, dtype)
+        if self.sequence_parallel:
+            _ensure_global_memory_buffer()
 
     def linear(
         self, in_features: int, out_features: int, bias: bool, kind: LinearKind
@@ -195,7 +231,7 @@ class TensorParallelLayerFactory:
         head = VocabParallelHead(
             in_features,
             vocab_size,
-            config=self.config,
+            config=self.head_config,
             init_method=_not_initialised,
             bias=False,
             gather_output=False,
@@ -203,6 +239,38 @@ class TensorParallelLayerFactory:
             tp_group=self.process_group,
         )
         return _marked_split(head, partition_dim=0)
+
+    def scatter_sequence(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         attend: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    Callable]:
+        """Sequence parallelism's entry: the embeddings [tokens, hidden], equal on every rank,
+        padded with zero rows to `padded = tp * ceil(tokens / tp)` and split: this rank's rows
+        [padded / tp, hidden] (the backward all-gathers their gradient). The rotary tables
+        [tokens, 1, head_dim] are padded alike (the column-parallel projections hand attention
+        all `padded` rows), and `attend` is wrapped to see the `tokens` real rows only and
+        return zero rows for the padding, so padding never mixes into a real token: every
+        other layer works on each row alone, and `gather_sequence` drops the padding."""
+        tokens = hidden.shape[0]
+        padding = -tokens % self.tp_size
+        hidden, cos, sin = (_pad_rows(t, padding) for t in (hidden, cos, sin))
+        shard = megatron_tp.scatter_to_sequence_parallel_region(hidden, group=self.process_group)
+
+        def attend_real_tokens(layer_index, query, key, value):
+            attended = attend(layer_index, query[:tokens], key[:tokens], value[:tokens])
+            return _pad_rows(attended, padding)
+
+        return shard, cos, sin, attend_real_tokens
+
+    def gather_sequence(self, hidden: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Sequence parallelism's exit: every rank's rows [padded / tp, hidden] all-gathered to
+        the first `tokens` rows [tokens, hidden], equal on every rank. The heads after it
+        produce the full gradient of these rows on every rank (the LM head all-reduces it, a
+        critic's replicated head computes it alike), so the backward keeps this rank's slice
+        (`tensor_parallel_output_grad=False`)."""
+        gathered = megatron_tp.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=False, group=self.process_group
+        )
+        return gathered[:tokens]
 
     def shifted_logprobs(self, logits, packed_input_ids, cu_seqlens, temperature):
         return vocab_parallel_shifted_logprobs(
