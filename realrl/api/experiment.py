@@ -120,10 +120,12 @@ class ModelRoleConfig:
         False, "Sequence parallelism (Korthikanti et al. 2022, megatron-core's) in this role's "
         "tensor-parallel layouts: norms and residual adds run on tokens / tp rows per rank, the "
         "column-parallel linears all-gather the tokens and the row-parallel ones "
-        "reduce-scatter them, so a layer stores the ~(tokens x hidden) x 10 values of its "
-        "norms, residuals and linear inputs divided by tp. Same results (norm gradients summed "
-        "over the tp group). GPU workers only (megatron-core allocates its buffers on the "
-        "GPU); needs an MFC of the role with tp > 1, layouts with tp = 1 run without it."
+        "reduce-scatter them, so the ~6 x hidden values per token and layer that tensor "
+        "parallelism keeps on every rank (the two norms' inputs and outputs) are divided by tp. "
+        "Cost: the backward all-gathers each column-parallel input again (2 more all-gathers "
+        "per layer); the forward moves what tp's all-reduces did. Same results. "
+        "GPU workers only (megatron-core allocates its buffers on the GPU); needs an MFC of "
+        "the role with tp > 1, and layouts with tp = 1 run without it."
     )
     share_prefixes: bool = help_field(
         True, "Training and inference forwards run the tokens that consecutive packed sequences "
@@ -242,7 +244,8 @@ class ModelSpec:
     def sequence_parallel_without_cuda(self, device_type: str) -> str | None:
         """The problem of `<role>.sequence_parallel=true` on workers that compute on
         `device_type` (None: no problem)."""
-        if device_type == "cuda" or self.config is None or not self.config.sequence_parallel:
+        if (device_type == "cuda" or self.kind == ModelKind.rule or self.config is None
+                or not self.config.sequence_parallel):
             return None
         key = self.config_key("sequence_parallel")
         return (

@@ -191,7 +191,8 @@ def sequence_parallel_problems(
     as in megatron-core; a role with none would silently get nothing)."""
     problems = []
     for role, model in spec.models.items():
-        if model.config is None or not model.config.sequence_parallel:
+        if (model.kind == ModelKind.rule or model.config is None
+                or not model.config.sequence_parallel):
             continue
         problem = model.sequence_parallel_without_cuda("cpu" if cpu_workers else "cuda")
         if problem is not None:

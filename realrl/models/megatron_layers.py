@@ -5,9 +5,8 @@
 `tp_group=`: nothing here reads megatron's `parallel_state` globals or calls
 `initialize_model_parallel`, so one process can hold several layouts of a model at once, each
 on its own tp group (realrl's layouts differ per MFC). They run on CPU (gloo) as shipped and use
-none of megatron's globals (the global memory buffer is only read with sequence parallelism,
-which is not used); megatron-core 0.15 and older read the global tp group regardless of
-`tp_group=`. Tested with 0.16.0, 0.16.1 and 0.17.1 (the range `pyproject.toml` pins), and 0.18.2
+none of megatron's globals but one scratch buffer under sequence parallelism (below);
+megatron-core 0.15 and older read the global tp group regardless of `tp_group=`. Tested with 0.16.0, 0.16.1 and 0.17.1 (the range `pyproject.toml` pins), and 0.18.2
 and 0.19.2, which need triton to import.
 
 Layout of the weights (what `realrl.models.tensor_parallel.shard_state_dict` produces):
@@ -28,6 +27,10 @@ The LM head returns this rank's vocabulary slice of the logits [..., vocab / tp]
 inference read log-probabilities and entropies off the slices (`vocab_parallel_shifted_logprobs`,
 `vocab_parallel_entropy`, an all-reduce of a few numbers per token) instead of gathering
 [tokens, vocab] logits. Generation gathers them for sampling (`gather_vocab=True`).
+
+Sequence parallelism (`TensorParallelLayerFactory(..., sequence_parallel=True)`): the column-
+and row-parallel layers get megatron's `sequence_parallel=True`, the LM head does not; the
+token split around the blocks is `realrl.models.sequence_parallel`'s.
 
 Two parts of megatron-core 0.16.1 are deliberately not used:
 - its gather of a column-parallel output (`gather_output`, `runtime_gather_output`,
@@ -51,7 +54,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,8 @@ from megatron.core import tensor_parallel as megatron_tp  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy  # noqa: E402
 from megatron.core.tensor_parallel.utils import VocabUtility  # noqa: E402
+
+from realrl.models import sequence_parallel as sequence_split  # noqa: E402
 
 
 def megatron_config(
@@ -140,24 +144,6 @@ class VocabParallelHead(megatron_tp.ColumnParallelLinear):
         return gather_vocabulary(logits, self.tp_group) if gather_vocab else logits
 
 
-def _pad_rows(tensor: torch.Tensor, padding: int) -> torch.Tensor:
-    """`tensor` [rows, ...] with `padding` zero rows appended."""
-    if padding == 0:
-        return tensor
-    return torch.cat((tensor, tensor.new_zeros((padding, *tensor.shape[1:]))))
-
-
-def _ensure_global_memory_buffer() -> None:
-    """megatron's sequence-parallel linears all-gather their input into a scratch buffer of
-    `parallel_state` (`get_global_memory_buffer`; it holds no process group, and one per
-    process serves every layout); `initialize_model_parallel`, which realrl never calls, would
-    make it."""
-    from megatron.core import parallel_state
-
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        parallel_state._set_global_memory_buffer()
-
-
 def gather_vocabulary(logits: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Full-vocabulary logits [..., vocab] from every rank's slice [..., vocab / tp] (ranks in
     vocabulary order). Not differentiable: for sampling only."""
@@ -190,7 +176,7 @@ class TensorParallelLayerFactory:
         # without sequence parallelism (see the module docstring).
         self.head_config = megatron_config(self.tp_size, dtype)
         if self.sequence_parallel:
-            _ensure_global_memory_buffer()
+            sequence_split.ensure_global_memory_buffer()
 
     def linear(
         self, in_features: int, out_features: int, bias: bool, kind: LinearKind
@@ -240,37 +226,13 @@ class TensorParallelLayerFactory:
         )
         return _marked_split(head, partition_dim=0)
 
-    def scatter_sequence(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         attend: Callable) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                    Callable]:
-        """Sequence parallelism's entry: the embeddings [tokens, hidden], equal on every rank,
-        padded with zero rows to `padded = tp * ceil(tokens / tp)` and split: this rank's rows
-        [padded / tp, hidden] (the backward all-gathers their gradient). The rotary tables
-        [tokens, 1, head_dim] are padded alike (the column-parallel projections hand attention
-        all `padded` rows), and `attend` is wrapped to see the `tokens` real rows only and
-        return zero rows for the padding, so padding never mixes into a real token: every
-        other layer works on each row alone, and `gather_sequence` drops the padding."""
-        tokens = hidden.shape[0]
-        padding = -tokens % self.tp_size
-        hidden, cos, sin = (_pad_rows(t, padding) for t in (hidden, cos, sin))
-        shard = megatron_tp.scatter_to_sequence_parallel_region(hidden, group=self.process_group)
-
-        def attend_real_tokens(layer_index, query, key, value):
-            attended = attend(layer_index, query[:tokens], key[:tokens], value[:tokens])
-            return _pad_rows(attended, padding)
-
-        return shard, cos, sin, attend_real_tokens
+    def scatter_sequence(self, hidden, cos, sin, attend):
+        """`realrl.models.sequence_parallel.scatter_sequence` on this layout's tp group."""
+        return sequence_split.scatter_sequence(hidden, cos, sin, attend, self.process_group)
 
     def gather_sequence(self, hidden: torch.Tensor, tokens: int) -> torch.Tensor:
-        """Sequence parallelism's exit: every rank's rows [padded / tp, hidden] all-gathered to
-        the first `tokens` rows [tokens, hidden], equal on every rank. The heads after it
-        produce the full gradient of these rows on every rank (the LM head all-reduces it, a
-        critic's replicated head computes it alike), so the backward keeps this rank's slice
-        (`tensor_parallel_output_grad=False`)."""
-        gathered = megatron_tp.gather_from_sequence_parallel_region(
-            hidden, tensor_parallel_output_grad=False, group=self.process_group
-        )
-        return gathered[:tokens]
+        """`realrl.models.sequence_parallel.gather_sequence` on this layout's tp group."""
+        return sequence_split.gather_sequence(hidden, tokens, self.process_group)
 
     def shifted_logprobs(self, logits, packed_input_ids, cu_seqlens, temperature):
         return vocab_parallel_shifted_logprobs(

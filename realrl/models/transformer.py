@@ -191,7 +191,7 @@ class Transformer(nn.Module):
     def scatter_sequence(self, hidden, cos, sin, attend: AttendFn):
         """Under sequence parallelism, embeddings [tokens, hidden] -> this rank's rows
         [ceil(tokens / tp), hidden], padded rotary tables and an `attend` that sees the real
-        tokens only (`TensorParallelLayerFactory.scatter_sequence`); otherwise unchanged."""
+        tokens only (`realrl.models.sequence_parallel`); otherwise unchanged."""
         if not self.sequence_parallel:
             return hidden, cos, sin, attend
         return self.layer_factory.scatter_sequence(hidden, cos, sin, attend)

@@ -11,7 +11,7 @@ Each model (tied Llama, untied Qwen2 with QKV bias, critic) is built as a worker
 `TOLERANCE` = 1e-5 (float reordering of the tp sums is ~1e-7 here):
 
 - a forward and backward on packed batches of 15 tokens (not a multiple of tp: one padding
-  row) and of 16 tokens with a shared prefix, with and without activation checkpointing:
+  row; with and without activation checkpointing) and of 16 tokens with a shared prefix:
   logits (gathered), log-probs and entropies, or values; and every gradient once the norms'
   partial gradients are summed over tp (`sum_sequence_parallel_gradients`). Before that sum
   each rank's norm gradient must differ from t1's: a model whose norms saw every token would
@@ -129,7 +129,7 @@ def compare_forward_backward(config: ModelConfig, group) -> dict:
     """Errors of t2 and t2_sp against t1 per batch and checkpointing."""
     errors, partial_norms, marked = {}, {}, {}
     for batch_name, (packed, cu_seqlens) in batches(config.vocab_size).items():
-        for checkpointing in (False, True):
+        for checkpointing in (False, True) if batch_name == "15_tokens" else (False,):
             runs = {layout: forward_backward(config, layout, group, packed, cu_seqlens,
                                              checkpointing) for layout in ("t1", *LAYOUTS)}
             reference = runs["t1"]
