@@ -12,8 +12,15 @@ device, so tests exercise it on CPU under `cuda_to_cpu()`, which, while active, 
   (level 2, a `TorchFunctionMode`);
 - `Tensor.type()` name CPU tensors as their CUDA type, as the optimizers expect.
 
+megatron-core's sequence-parallel mappings and linears (`<role>.sequence_parallel`) allocate
+their gather and reduce-scatter outputs with `device=torch.cuda.current_device()` too; with
+the first patch they run on CPU ranks. Their collectives need no stand-in: gloo has
+`all_gather_into_tensor` and `reduce_scatter_tensor` (torch 2.13;
+`tests/models/test_sequence_parallel.py`).
+
 realrl itself never imports this module: on CPU it trains with the torch backend
-(`realrl.backends.torch_optimizer`), and the megatron backend needs CUDA workers.
+(`realrl.backends.torch_optimizer`), the megatron backend and sequence parallelism need CUDA
+workers.
 Everything is restored on exit; the patches are process-wide while active, so use it around
 the megatron calls of one test process only (spawned ranks), never in the pytest process.
 """

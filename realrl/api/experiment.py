@@ -116,6 +116,17 @@ class ModelRoleConfig:
         "hidden values per token instead of ~28 x hidden; the logits' share stays. CPU, "
         "hidden 256, 2048 tokens: 10 layers 620 -> 222 MB per train step, 1.3x its time."
     )
+    sequence_parallel: bool = help_field(
+        False, "Sequence parallelism (Korthikanti et al. 2022, megatron-core's) in this role's "
+        "tensor-parallel layouts: norms and residual adds run on tokens / tp rows per rank, the "
+        "column-parallel linears all-gather the tokens and the row-parallel ones "
+        "reduce-scatter them, so the ~6 x hidden values per token and layer that tensor "
+        "parallelism keeps on every rank (the two norms' inputs and outputs) are divided by tp. "
+        "Cost: the backward all-gathers each column-parallel input again (2 more all-gathers "
+        "per layer); the forward moves what tp's all-reduces did. Same results. "
+        "GPU workers only (megatron-core allocates its buffers on the GPU); needs an MFC of "
+        "the role with tp > 1, and layouts with tp = 1 run without it."
+    )
     share_prefixes: bool = help_field(
         True, "Training and inference forwards run the tokens that consecutive packed sequences "
         "share from their start (a prompt sampled group_size times, a pair's prompt) once; "
@@ -228,6 +239,19 @@ class ModelSpec:
             f"`{key}=megatron` needs CUDA workers (megatron-core's DistributedDataParallel and "
             f"DistributedOptimizer allocate on the GPU), and the workers compute on "
             f"{device_type}: set `{key}=auto` (megatron on GPUs, torch on CPUs) or `{key}=torch`"
+        )
+
+    def sequence_parallel_without_cuda(self, device_type: str) -> str | None:
+        """The problem of `<role>.sequence_parallel=true` on workers that compute on
+        `device_type` (None: no problem)."""
+        if (device_type == "cuda" or self.kind == ModelKind.rule or self.config is None
+                or not self.config.sequence_parallel):
+            return None
+        key = self.config_key("sequence_parallel")
+        return (
+            f"`{key}=true` needs CUDA workers (megatron-core's sequence-parallel layers "
+            f"allocate their all-gather and reduce-scatter buffers on the GPU), and the "
+            f"workers compute on {device_type}: set `{key}=false`"
         )
 
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from realrl.api.experiment import OptimizerConfig
-from realrl.backends.optimizer_backend import make_lr_scheduler
+from realrl.backends.optimizer_backend import make_lr_scheduler, sum_sequence_parallel_gradients
 
 warnings.filterwarnings("ignore", "Transformer Engine and Apex are not installed", UserWarning)
 # 0.17 warns at every TransformerConfig about a CUDA-graph default realrl does not use.
@@ -175,6 +175,13 @@ class MegatronOptimizerBackend:
 
     def step(self, max_norm: float) -> float:
         self.ddp.finish_grad_sync()
+        # Sequence-parallel norms: summed over tp after the data-parallel reduce-scatter, as
+        # megatron's `finalize_model_grads` does (tp peers own the same buffer ranges, so this
+        # rank's range ends up summed over both; the rest of the buffer is not read).
+        sum_sequence_parallel_gradients(
+            [(p, p.main_grad) for p in self.module.parameters() if p.requires_grad],
+            self.parallel,
+        )
         # inf: megatron still measures the norm, and max_norm / norm is never below 1.
         self.distributed.config.clip_grad = max_norm if max_norm > 0 else math.inf
         succeeded, grad_norm, _ = self.distributed.step()

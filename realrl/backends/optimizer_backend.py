@@ -25,6 +25,7 @@ import math
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from realrl.api.experiment import LRScheduler, OptimizerConfig
 
@@ -90,3 +91,23 @@ def clip_scale(total_norm: float, max_norm: float) -> float | None:
     if 0 < max_norm < total_norm + 1e-6:
         return max_norm / (total_norm + 1e-6)
     return None
+
+
+def sum_sequence_parallel_gradients(
+    gradients: list[tuple[torch.nn.Parameter, torch.Tensor]], parallel
+) -> None:
+    """Sum over the tp group, in place, the gradients of parameters marked `sequence_parallel`
+    (the norms of a sequence-parallel model, `realrl.models.transformer.Transformer`): each tp
+    rank saw only its share of the tokens, so each holds a partial sum. One all-reduce of their
+    concatenation, as megatron's `finalize_model_grads` does; afterwards they are equal on
+    every tp rank and the gradient norm counts them once, like every replicated parameter.
+    `gradients`: (parameter, the tensor holding its gradient) pairs."""
+    if parallel.tp_size == 1:
+        return
+    grads = [grad for p, grad in gradients if getattr(p, "sequence_parallel", False)]
+    if not grads:
+        return
+    summed = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(summed, group=parallel.tp_group)
+    pieces = summed.split([grad.numel() for grad in grads])
+    torch._foreach_copy_(grads, [piece.view_as(grad) for piece, grad in zip(pieces, grads)])

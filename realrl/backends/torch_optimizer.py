@@ -8,7 +8,9 @@ result rounded into the weights.
 With tensor parallelism (Shoeybi et al. 2019) every tp rank of a replica sees the same data;
 sharded parameters' gradients are summed over data-parallel peers with the same tp rank, and
 replicated parameters (norms, a critic's value head) get identical gradients on every tp rank
-because the column-parallel layers all-reduce their input gradients. The global gradient norm
+because the column-parallel layers all-reduce their input gradients; under sequence
+parallelism the norms see a share of the tokens each and their gradients are summed over the
+tp group before clipping (`sum_sequence_parallel_gradients`). The global gradient norm
 counts each sharded slice once (its squared norm is summed over the tp group) and each
 replicated parameter once.
 
@@ -34,7 +36,11 @@ from realrl.api import environment
 from realrl.api.experiment import OptimizerConfig
 from realrl.backends.gradient_buckets import GradientBuckets
 from realrl.backends.mixed_precision import MasterWeights, check_saved_masters
-from realrl.backends.optimizer_backend import clip_scale, make_lr_scheduler
+from realrl.backends.optimizer_backend import (
+    clip_scale,
+    make_lr_scheduler,
+    sum_sequence_parallel_gradients,
+)
 
 # Gradients are summed over data-parallel ranks in buckets of about this many bytes.
 GRADIENT_BUCKET_BYTES = 4 * 2**20
@@ -86,6 +92,9 @@ class TorchOptimizerBackend:
     def step(self, max_norm: float) -> float:
         if self.gradient_buckets is not None:
             self.gradient_buckets.finish()
+        sum_sequence_parallel_gradients(
+            [(p, holder.grad) for p, holder in self._gradient_holders()], self.parallel
+        )
         grad_norm = self._clip_gradients(max_norm)
         self.optimizer.step()
         if self.master_weights is not None:
@@ -119,16 +128,21 @@ class TorchOptimizerBackend:
             self.gradient_buckets = buckets
         return buckets
 
+    def _gradient_holders(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(parameter, the tensor whose `.grad` holds its gradient) for every parameter with a
+        gradient: the parameter itself, or the fp32 master of a low-precision module's."""
+        if self.master_weights is not None:
+            pairs = zip(self.master_weights.parameters, self.master_weights.masters, strict=True)
+        else:
+            pairs = ((p, p) for p in self.module.parameters())
+        return [(p, holder) for p, holder in pairs if holder.grad is not None]
+
     def _clip_gradients(self, max_norm: float) -> float:
         """Scale gradients to a global L2 norm of at most `max_norm` (no clipping when <= 0), as
         `torch.nn.utils.clip_grad_norm_` does, over the full (unsharded) model; returns the norm
         before clipping. Costs one host sync, once per optimizer step. A low-precision module's
         gradients are its masters' fp32 main gradients."""
-        if self.master_weights is not None:
-            pairs = zip(self.master_weights.parameters, self.master_weights.masters, strict=True)
-        else:
-            pairs = ((p, p) for p in self.module.parameters())
-        with_grads = [(p, holder) for p, holder in pairs if holder.grad is not None]
+        with_grads = self._gradient_holders()
         if not with_grads:
             return 0.0
         tp_group = self.parallel.tp_group if self.parallel.tp_size > 1 else None
@@ -180,3 +194,4 @@ class TorchOptimizerBackend:
     def weights_written(self) -> None:
         if self.master_weights is not None:
             self.master_weights.copy_from_module()
+

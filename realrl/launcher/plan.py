@@ -183,6 +183,37 @@ def workers_without_gpus(config: BaseExperimentConfig) -> bool:
     return not api_config.may_have_gpus()
 
 
+def sequence_parallel_problems(
+    spec: ExperimentSpec, graph: DataflowGraph, allocations: dict, cpu_workers: bool
+) -> list[str]:
+    """`<role>.sequence_parallel=true` splits tokens over a layout's tensor-parallel ranks: it
+    needs GPU workers, and an MFC of the role with tp > 1 (layouts with tp = 1 run without it,
+    as in megatron-core; a role with none would silently get nothing)."""
+    problems = []
+    for role, model in spec.models.items():
+        if (model.kind == ModelKind.rule or model.config is None
+                or not model.config.sequence_parallel):
+            continue
+        problem = model.sequence_parallel_without_cuda("cpu" if cpu_workers else "cuda")
+        if problem is not None:
+            problems.append(problem)
+            continue
+        mfcs = [name for name, mfc in graph.mfcs.items() if mfc.model_role == role]
+        if all(allocations[name].strategy.tensor == 1 for name in mfcs):
+            key = model.config_key("sequence_parallel")
+            layouts = ", ".join(f"{name}:{allocations[name].strategy}" for name in mfcs)
+            trained = [name for name in mfcs if graph.mfcs[name].kind == MFCKind.train_step]
+            example = (trained or mfcs)[0]
+            size = len(allocations[example].mesh.ranks)
+            problems.append(
+                f"`{key}=true` splits tokens over tensor-parallel ranks, and no MFC of role "
+                f"{role!r} has tensor parallelism ({layouts}): give one a layout with t > 1 "
+                f"in `allocation_mode` (e.g. '{example}:d{max(1, size // 2)}t2,*:d{size}') "
+                f"or set `{key}=false`"
+            )
+    return problems
+
+
 def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     spec = config.build()
     graph = spec.graph()
@@ -218,6 +249,7 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
             problems += validate_model_divisibility(allocation, **shape)
     if config.pipeline_rollout:
         problems += pipeline_problems(graph, allocations)
+    problems += sequence_parallel_problems(spec, graph, allocations, workers_without_gpus(config))
     problems += logged_key_problems(config, graph)
     if problems:
         raise ConfigError(problems)

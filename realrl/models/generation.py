@@ -179,9 +179,11 @@ def _decode_step(
 
     if model.device.type != "cpu" or model.tp_size != 1:
         hidden = model.embedding(tokens)
+        hidden, cos, sin, attend = model.scatter_sequence(hidden, cos, sin, attend)
         for layer in model.layers:
             hidden = layer(hidden, cos, sin, attend)
-        return model.head(model.final_norm(hidden)).float()
+        hidden = model.gather_sequence(model.final_norm(hidden), tokens.shape[0])
+        return model.head(hidden).float()
     hidden = F.embedding(tokens, model.embedding.weight).t()  # [hidden, rows]
     for layer in model.layers:
         hidden = _features_first_block(layer, hidden, cos, sin, attend)

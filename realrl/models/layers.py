@@ -35,9 +35,12 @@ class LayerFactory(Protocol):
     `F.linear(hidden, embedding.weight)`.
     `shifted_logprobs` / `shifted_entropy`: `realrl.algo.layout.packed_shifted_logprobs` /
     `packed_entropy` of the logits the LM head returns without `gather_vocab`.
+    `sequence_parallel`: the column/row-parallel layers take/return token-split activations;
+    such a factory also has `scatter_sequence` / `gather_sequence` (`Transformer` calls them).
     """
 
     tp_size: int
+    sequence_parallel: bool
 
     def linear(
         self, in_features: int, out_features: int, bias: bool, kind: LinearKind
@@ -64,6 +67,7 @@ class PlainLayerFactory:
     """Single-device layers; the logits hold the whole vocabulary."""
 
     tp_size = 1
+    sequence_parallel = False
 
     def linear(
         self, in_features: int, out_features: int, bias: bool, kind: LinearKind

@@ -5,9 +5,8 @@
 `tp_group=`: nothing here reads megatron's `parallel_state` globals or calls
 `initialize_model_parallel`, so one process can hold several layouts of a model at once, each
 on its own tp group (realrl's layouts differ per MFC). They run on CPU (gloo) as shipped and use
-none of megatron's globals (the global memory buffer is only read with sequence parallelism,
-which is not used); megatron-core 0.15 and older read the global tp group regardless of
-`tp_group=`. Tested with 0.16.0, 0.16.1 and 0.17.1 (the range `pyproject.toml` pins), and 0.18.2
+none of megatron's globals but one scratch buffer under sequence parallelism (below);
+megatron-core 0.15 and older read the global tp group regardless of `tp_group=`. Tested with 0.16.0, 0.16.1 and 0.17.1 (the range `pyproject.toml` pins), and 0.18.2
 and 0.19.2, which need triton to import.
 
 Layout of the weights (what `realrl.models.tensor_parallel.shard_state_dict` produces):
@@ -28,6 +27,10 @@ The LM head returns this rank's vocabulary slice of the logits [..., vocab / tp]
 inference read log-probabilities and entropies off the slices (`vocab_parallel_shifted_logprobs`,
 `vocab_parallel_entropy`, an all-reduce of a few numbers per token) instead of gathering
 [tokens, vocab] logits. Generation gathers them for sampling (`gather_vocab=True`).
+
+Sequence parallelism (`TensorParallelLayerFactory(..., sequence_parallel=True)`): the column-
+and row-parallel layers get megatron's `sequence_parallel=True`, the LM head does not; the
+token split around the blocks is `realrl.models.sequence_parallel`'s.
 
 Two parts of megatron-core 0.16.1 are deliberately not used:
 - its gather of a column-parallel output (`gather_output`, `runtime_gather_output`,
@@ -70,16 +73,23 @@ from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E40
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy  # noqa: E402
 from megatron.core.tensor_parallel.utils import VocabUtility  # noqa: E402
 
+from realrl.models import sequence_parallel as sequence_split  # noqa: E402
 
-def megatron_config(tp_size: int, dtype: torch.dtype) -> ModelParallelConfig:
+
+def megatron_config(
+    tp_size: int, dtype: torch.dtype, sequence_parallel: bool = False
+) -> ModelParallelConfig:
     """The `ModelParallelConfig` every layer gets: weights made on the default device (CPU, or
     the device of an enclosing `torch.device` context) and left uninitialised, because a
-    tensor-parallel module is always filled from a full state dict (`shard_module`)."""
+    tensor-parallel module is always filled from a full state dict (`shard_module`).
+    `sequence_parallel`: column-parallel layers all-gather a token-split input and row-parallel
+    ones reduce-scatter their output (Korthikanti et al. 2022)."""
     return ModelParallelConfig(
         tensor_model_parallel_size=tp_size,
         use_cpu_initialization=True,
         perform_initialization=False,
         params_dtype=dtype,
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -151,10 +161,22 @@ class TensorParallelLayerFactory:
     """`LayerFactory` making megatron-core tensor-parallel layers on `process_group`, with
     weights of `dtype`."""
 
-    def __init__(self, process_group: dist.ProcessGroup, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup,
+        dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
+    ):
         self.process_group = process_group
         self.tp_size = process_group.size()
-        self.config = megatron_config(self.tp_size, dtype)
+        # Off at tp size 1, as megatron turns it off there: nothing to split.
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.config = megatron_config(self.tp_size, dtype, self.sequence_parallel)
+        # The LM head takes the gathered sequence and all-reduces its input's gradient, as
+        # without sequence parallelism (see the module docstring).
+        self.head_config = megatron_config(self.tp_size, dtype)
+        if self.sequence_parallel:
+            sequence_split.ensure_global_memory_buffer()
 
     def linear(
         self, in_features: int, out_features: int, bias: bool, kind: LinearKind
@@ -195,7 +217,7 @@ class TensorParallelLayerFactory:
         head = VocabParallelHead(
             in_features,
             vocab_size,
-            config=self.config,
+            config=self.head_config,
             init_method=_not_initialised,
             bias=False,
             gather_output=False,
@@ -203,6 +225,14 @@ class TensorParallelLayerFactory:
             tp_group=self.process_group,
         )
         return _marked_split(head, partition_dim=0)
+
+    def scatter_sequence(self, hidden, cos, sin, attend):
+        """`realrl.models.sequence_parallel.scatter_sequence` on this layout's tp group."""
+        return sequence_split.scatter_sequence(hidden, cos, sin, attend, self.process_group)
+
+    def gather_sequence(self, hidden: torch.Tensor, tokens: int) -> torch.Tensor:
+        """`realrl.models.sequence_parallel.gather_sequence` on this layout's tp group."""
+        return sequence_split.gather_sequence(hidden, tokens, self.process_group)
 
     def shifted_logprobs(self, logits, packed_input_ids, cu_seqlens, temperature):
         return vocab_parallel_shifted_logprobs(

@@ -135,6 +135,15 @@ class Transformer(nn.Module):
             Block(config, factory, i) for i in range(config.num_hidden_layers)
         )
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Sequence parallelism (`<role>.sequence_parallel`, Korthikanti et al. 2022): the
+        # blocks' norms and residual adds run on this rank's share of the tokens
+        # (`scatter_sequence` .. `gather_sequence`), so the norms' gradients are partial sums
+        # that the optimizer backends all-reduce over the tp group (megatron's mark).
+        self.sequence_parallel = factory.sequence_parallel
+        if self.sequence_parallel:
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.sequence_parallel = True
         self.rotary = RotaryTable(config)
         self.lm_head: nn.Module | None = None
         self.value_head: nn.Linear | None = None
@@ -153,6 +162,8 @@ class Transformer(nn.Module):
         """Final-normed hidden states [*ids.shape, hidden]; rotary capacity must be ensured."""
         hidden = self.embedding(packed_input_ids)
         cos, sin = self.rotary.lookup(position_ids, hidden.dtype)
+        tokens = hidden.shape[0]
+        hidden, cos, sin, attend = self.scatter_sequence(hidden, cos, sin, attend)
         compiled = self.compiled_blocks
         # Compiled graphs take packed [total_tokens, hidden] with at least 2 tokens (a size-1
         # dimension cannot be symbolic); anything else runs eager rather than recompile.
@@ -175,7 +186,22 @@ class Transformer(nn.Module):
                 between_layers()
                 if hidden.requires_grad:
                     hidden.register_hook(lambda grad: between_layers())
-        return self.final_norm(hidden)
+        return self.gather_sequence(self.final_norm(hidden), tokens)
+
+    def scatter_sequence(self, hidden, cos, sin, attend: AttendFn):
+        """Under sequence parallelism, embeddings [tokens, hidden] -> this rank's rows
+        [ceil(tokens / tp), hidden], padded rotary tables and an `attend` that sees the real
+        tokens only (`realrl.models.sequence_parallel`); otherwise unchanged."""
+        if not self.sequence_parallel:
+            return hidden, cos, sin, attend
+        return self.layer_factory.scatter_sequence(hidden, cos, sin, attend)
+
+    def gather_sequence(self, hidden: torch.Tensor, tokens: int) -> torch.Tensor:
+        """`scatter_sequence`'s inverse: every rank's rows gathered, padding dropped
+        -> [tokens, hidden] (unchanged without sequence parallelism)."""
+        if not self.sequence_parallel:
+            return hidden
+        return self.layer_factory.gather_sequence(hidden, tokens)
 
     def head(self, hidden: torch.Tensor, gather_vocab: bool = True) -> torch.Tensor:
         """LM logits [..., vocab] in the model dtype, or fp32 values [...] for a critic.

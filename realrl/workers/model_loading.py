@@ -61,15 +61,17 @@ def resolve_optimizer_backend(spec: ModelSpec, device: torch.device) -> Optimize
     return OptimizerBackendName.megatron if device.type == "cuda" else OptimizerBackendName.torch
 
 
-def shard_module(full: Transformer, parallel: ParallelContext) -> Transformer:
+def shard_module(
+    full: Transformer, parallel: ParallelContext, sequence_parallel: bool = False
+) -> Transformer:
     """`full`'s tensor-parallel shard for `parallel.tp_rank`, with layers on `parallel.tp_group`
-    (the full module itself when the tp size is 1)."""
+    (the full module itself when the tp size is 1), sequence parallel if asked."""
     if parallel.tp_size == 1:
         return full
     from realrl.models.megatron_layers import TensorParallelLayerFactory
 
     config = full.config
-    factory = TensorParallelLayerFactory(parallel.tp_group, full.dtype)
+    factory = TensorParallelLayerFactory(parallel.tp_group, full.dtype, sequence_parallel)
     with torch.device(full.device):  # megatron allocates (uninitialised) on the default device
         module = Transformer(config, factory).to(full.dtype)  # the norms are made in fp32
     shard = shard_state_dict(full.state_dict(), parallel.tp_rank, parallel.tp_size, config)
@@ -102,7 +104,10 @@ def load_engine(
         device=device,
     )
     module.share_prefixes = spec.config.share_prefixes
-    module = shard_module(module, parallel)
+    sequence_parallel = spec.config.sequence_parallel and parallel.tp_size > 1
+    if sequence_parallel and device.type != "cuda":
+        raise ConfigError([spec.sequence_parallel_without_cuda(device.type)])
+    module = shard_module(module, parallel, sequence_parallel)
     module.gradient_checkpointing = spec.config.gradient_checkpointing
     if spec.config.compile:
         key = spec.config_key("compile")
