@@ -201,8 +201,8 @@ class PPOActorInterface:
             "early_stopped": policy.stats["early_stopped"],
         }
         if behaviour is not None:
-            for name in _BEHAVIOUR_STATS:
-                stats[f"behav_{name}_sum"] = behaviour.stats[name] * num_tokens
+            for name, reported in _BEHAVIOUR_STATS.items():
+                stats[f"{reported}_sum"] = behaviour.stats[name] * num_tokens
         return loss, stats
 
     def _policy_loss(self, logprobs: torch.Tensor, part: SequenceSample):
@@ -272,9 +272,13 @@ _TOKEN_SUMS = {
     "entropy_sum": "entropy",
     "kl_loss_sum": "kl_loss_term",
 }
-# Statistics of the decoupled loss's behaviour weight (`behaviour_importance_weights`), reported
-# as actor_train/behav_<name>; their per-token sums are `behav_<name>_sum`.
-_BEHAVIOUR_STATS = ("logp_abs_diff", "weight", "capped_fraction")
+# Statistics of the decoupled loss's behaviour weight (`behaviour_importance_weights`) and the
+# names they are reported under, as means over response tokens (`_loss` returns their sums).
+_BEHAVIOUR_STATS = {
+    "logp_abs_diff": "behav_logp_abs_diff",
+    "weight": "behav_imp_weight",
+    "capped_fraction": "behav_capped_fraction",
+}
 
 
 def _reduce_train_stats(
@@ -293,8 +297,8 @@ def _reduce_train_stats(
         for name, reported in _TOKEN_SUMS.items():
             means.add(reported, stats[name], stats["num_tokens"])
         if with_behaviour:
-            for name in _BEHAVIOUR_STATS:
-                means.add(f"behav_{name}", stats[f"behav_{name}_sum"], stats["num_tokens"])
+            for reported in _BEHAVIOUR_STATS.values():
+                means.add(reported, stats[f"{reported}_sum"], stats["num_tokens"])
     result = means.reduce(group, device)
     result["early_stopped_microbatches"] = result.pop("early_stopped")
     result.update(optimizer_step_stats(step_stats))
