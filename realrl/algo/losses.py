@@ -63,8 +63,9 @@ def ppo_policy_loss(
       micro-batch's loss is multiplied by 0 (the graph is kept so backward and gradient
       all-reduce still run on every rank), and ``stats["early_stopped"]`` is 1.
     - ``behaviour_weights [total_tokens - num_seqs]`` (the decoupled objective, AReaL, Fu et al.
-      2025, eq. (5)): ``old_logprobs`` are then the *proximal* policy's and each token's loss is
-      multiplied by its capped ``pi_prox / pi_behav`` (`realrl.algo.offpolicy`). None: weight 1.
+      2025, arXiv:2505.24298): ``old_logprobs`` are then the *proximal* policy's and each
+      token's loss is multiplied by its capped ``pi_prox / pi_behav`` (`realrl.algo.offpolicy`).
+      None: weight 1.
 
     Stats: ``clip_fraction`` (tokens where the clipped branch is active), ``dual_clip_fraction``,
     ``approx_kl`` (k3 estimate of KL(old || new), Schulman 2020), ``ratio_mean``,

@@ -2,7 +2,8 @@
 decoupled PPO objective (``ppo.decoupled_loss``).
 
 Three policies take part (AReaL, Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
-Reinforcement Learning System for Language Reasoning", section 5.2, eq. (5)):
+Reinforcement Learning System for Language Reasoning", arXiv:2505.24298, section "Decoupled
+PPO Objective"):
 
 - the *behaviour* policy ``pi_behav``: the weights and the engine that generated the tokens
   (the generation engine's ``packed_logprobs``);
