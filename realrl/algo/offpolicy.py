@@ -103,7 +103,8 @@ def behaviour_importance_weights(
     """
     if mode not in BEHAVIOUR_WEIGHT_MODES:
         raise ValueError(
-            f"unknown ppo.behav_imp_weight_mode={mode!r}; valid: {', '.join(BEHAVIOUR_WEIGHT_MODES)}"
+            f"unknown ppo.behav_imp_weight_mode={mode!r}; valid: "
+            f"{', '.join(BEHAVIOUR_WEIGHT_MODES)}"
         )
     if not cap > 0:
         raise ValueError(f"ppo.behav_imp_weight_cap must be > 0, got {cap}")
