@@ -117,3 +117,22 @@ def test_interpolated_proximal_logprobs_need_the_policy_lag(tokenizer):
     _, standard_params = _train(tokenizer, lagged)
     assert stats["behav_imp_weight"] == 1.0 and stats["behav_logp_abs_diff"] == 0.0
     torch.testing.assert_close(params, standard_params, atol=1e-6, rtol=0)
+
+
+def test_bf16_generation_against_fp32_training_is_measured_and_truncated(tokenizer):
+    # The behaviour log-probs come from a bf16 copy of the trainer's fp32 model (a generation
+    # engine in low precision): a real mismatch of ~1e-2 per token. With cap 1 and clamp, the
+    # tokens where the trainer finds them likelier than the generator (w > 1) are truncated.
+    def data_for(engine):
+        bf16_model = build_model(len(tokenizer))
+        bf16_model.load_state_dict(engine.module.state_dict())
+        bf16_engine = make_engine(bf16_model.to(torch.bfloat16), tokenizer, lr=None)
+        data = _rollout(bf16_engine, tokenizer)
+        data.data["packed_logprobs"] = data.data["packed_logprobs"].float()
+        return data
+
+    stats, _ = _train(tokenizer, data_for, decoupled_loss=True, behav_imp_weight_mode="clamp",
+                      behav_imp_weight_cap=1.0)
+    assert 1e-4 < stats["behav_logp_abs_diff"] < 0.2
+    assert 0.0 < stats["behav_capped_fraction"] < 1.0
+    assert stats["behav_imp_weight"] < 1.0  # every weight <= 1 and some below
