@@ -136,7 +136,8 @@ def prepare_ppo_batch(
 
     Returns a sample with ``packed_input_ids`` and the shifted ``loss_mask``,
     ``old_logprobs`` (the generation's), ``advantages``, ``returns`` (plus ``ref_logprobs``,
-    ``policy_lag`` from ``packed_policy_lag``, and per-token ``values`` when given), and the rollout statistics to reduce with the training ones.
+    ``policy_lag`` from ``packed_policy_lag``, and per-token ``values`` when given), and the
+    rollout statistics to reduce with the training ones.
     Whitening and value-normaliser statistics are global over ``process_group``.
     """
     ppo = state.ppo
