@@ -8,7 +8,8 @@ token; critic values are ``[total_tokens]``. Every function takes the unshifted 
 ``process_group=None`` always means "no reduction", never the default world group.
 
 Modules: `layout` (packing helpers, log-probs, entropy), `advantages` (estimator registry),
-`losses` (policy, value, entropy), `kl` (estimators, controllers), `aggregation`
+`losses` (policy, value, entropy), `offpolicy` (the decoupled objective's behaviour weight and
+proximal log-probs, ``ppo.decoupled_loss``), `kl` (estimators, controllers), `aggregation`
 (``ppo.loss_agg_mode``), `rewards` (reward shaping, DAPO filters), `value_norm`.
 docs/algorithms.md lists the config keys that select each piece.
 """
@@ -41,6 +42,11 @@ from realrl.algo.layout import (
     shifted_values,
 )
 from realrl.algo.losses import LossOutput, entropy_bonus_loss, ppo_policy_loss, value_loss
+from realrl.algo.offpolicy import (
+    BehaviourWeights,
+    behaviour_importance_weights,
+    interpolated_proximal_logprobs,
+)
 from realrl.algo.rewards import (
     dynamic_sampling_filter,
     mask_no_eos_with_zero,
@@ -58,14 +64,17 @@ __all__ = [
     "AdvantageInputs",
     "AdvantageOutputs",
     "AdvantageSettings",
+    "BehaviourWeights",
     "FixedKLController",
     "LossOutput",
     "ValueNormalizer",
     "aggregate_loss",
+    "behaviour_importance_weights",
     "compute_advantages",
     "dynamic_sampling_filter",
     "entropy_bonus_loss",
     "get_advantage_estimator",
+    "interpolated_proximal_logprobs",
     "kl_estimate",
     "kl_penalized_token_rewards",
     "loss_normaliser",

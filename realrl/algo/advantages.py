@@ -285,7 +285,11 @@ def reinforce_plus_plus_baseline(
 
     The group mean of the sequence scores is subtracted at each sequence's last response token,
     discounted returns are taken as in REINFORCE++, then whitened globally. With ``gamma=1``
-    every response token's return is ``score_i - mean(score_group)``.
+    token ``t``'s return is ``sum_{s >= t} r_s - mean(score_group)``: the rewards still to come,
+    not the whole score. It is ``score_i - mean(score_group)`` at the first response token, and
+    at every token only when the token rewards carry no per-token KL penalty (``kl_ctl=0`` or
+    ``use_kl_loss``). E.g. token rewards [-0.5, 0, 1] and [-0.2, 0, 0] in one group: scores 0.5
+    and -0.2, mean 0.15, the first sequence's returns [0.35, 0.85, 0.85].
     """
     shifted = shifted_cu_seqlens(inputs.cu_seqlens)
     group_means, _ = group_mean_and_count(_sequence_scores(inputs), _required(inputs.group_ids))

@@ -21,8 +21,10 @@ Modes (``N`` = sequences with at least one response token, ``T_i`` = response to
 - ``seq-mean-token-mean``      ``sum_i (sum_t l_it / T_i) / N``: every sequence weighs the same
   (original GRPO, Shao et al. 2024, eq. (3)).
 - ``seq-mean-token-sum-norm``  ``sum_i (sum_t l_it / L) / N`` with a constant ``L =
-  norm_length`` (Dr.GRPO, Liu et al. 2025: no length bias). Note verl's mode of the same name
-  divides by ``L`` only; ours also divides by ``N``, which only rescales the learning rate.
+  norm_length`` (Dr.GRPO, Liu et al. 2025: no length bias). verl 0.9.1's mode of the same name
+  divides by ``N * L`` too (``agg_loss`` in ``verl/trainer/ppo/core_algos.py``: the
+  ``seq-mean-token-sum`` loss, then ``/ loss_scale_factor``); its 0.8.0.dev code (git b178a3c)
+  divided by ``L`` only.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ A typical actor micro-batch::
     if use_kl_loss:  per_token = per_token + kl_ctl * kl_estimate(logprobs, ref_logprobs, "k3")
     loss = aggregate_loss(per_token, loss_mask, cu_seqlens, mode, normaliser)
 
+The decoupled objective (``ppo.decoupled_loss``) passes the proximal log-probs as
+``old_logprobs`` and the capped behaviour weights of `realrl.algo.offpolicy`.
+
 Statistics are detached scalar tensors (no host sync): masked means over this micro-batch's
 response tokens, plus ``num_tokens`` so a caller can combine micro-batches by weighting.
 """
@@ -43,6 +46,7 @@ def ppo_policy_loss(
     eps_clip_high: float | None = None,
     dual_clip: float | None = None,
     ratio_early_stop: float | None = None,
+    behaviour_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """Clipped surrogate, Schulman et al. 2017 (PPO), eq. (7), as a loss to minimise.
 
@@ -58,6 +62,10 @@ def ppo_policy_loss(
       ``[1 - b, 1 + b]`` the policy has drifted too far from the behaviour policy; the whole
       micro-batch's loss is multiplied by 0 (the graph is kept so backward and gradient
       all-reduce still run on every rank), and ``stats["early_stopped"]`` is 1.
+    - ``behaviour_weights [total_tokens - num_seqs]`` (the decoupled objective, AReaL, Fu et al.
+      2025, arXiv:2505.24298): ``old_logprobs`` are then the *proximal* policy's and each
+      token's loss is multiplied by its capped ``pi_prox / pi_behav`` (`realrl.algo.offpolicy`).
+      None: weight 1.
 
     Stats: ``clip_fraction`` (tokens where the clipped branch is active), ``dual_clip_fraction``,
     ``approx_kl`` (k3 estimate of KL(old || new), Schulman 2020), ``ratio_mean``,
@@ -80,6 +88,8 @@ def ppo_policy_loss(
         bound = -dual_clip * advantages  # positive where A < 0
         dual_active = (advantages < 0) & (loss > bound)
         loss = torch.where(dual_active, bound, loss)
+    if behaviour_weights is not None:
+        loss = loss * behaviour_weights.detach().float()
     loss = loss * mask
 
     ratio_mean = _masked_mean(ratio.detach(), mask)

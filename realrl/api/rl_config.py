@@ -84,6 +84,13 @@ ADVANTAGE_ESTIMATORS = (
 )
 
 
+# The choices of the off-policy keys (realrl.algo.offpolicy holds the same tuples; a test
+# checks that they agree).
+PROXIMAL_LOGPROB_METHODS = ("forward", "interpolate")
+BEHAVIOUR_WEIGHT_LEVELS = ("token", "sequence", "geometric")
+BEHAVIOUR_WEIGHT_MODES = ("clamp", "mask")
+
+
 @dataclass
 class PPOHyperparameters:
     disable_value: bool = help_field(
@@ -158,6 +165,30 @@ class PPOHyperparameters:
     max_generation_rounds: int = help_field(
         4, "Dynamic sampling: give up (with an error) after this many generation rounds."
     )
+    # Off-policy corrections (docs/algorithms.md, "Off-policy corrections"; realrl.algo.offpolicy).
+    decoupled_loss: bool = help_field(
+        False,
+        "Decoupled PPO (AReaL): clip the ratio against the proximal policy (the trainer's "
+        "weights before this step) and weight each token by pi_prox / pi_behav (the generating "
+        "weights), capped. Synchronous runs: rollout importance sampling for the mismatch "
+        "between generation and training log-probs.",
+    )
+    prox_logp: str = help_field(
+        "forward",
+        "Proximal log-probs of the decoupled loss: forward (the trainer's weights before the "
+        "update: the training forward itself with one optimizer step per call, else one extra "
+        "forward) | interpolate (AReaL's log-linear interpolation by policy lag, no forward; "
+        "needs per-token `packed_policy_lag` in the rollout).",
+    )
+    behav_imp_weight_level: str = help_field(
+        "token",
+        "Behaviour weight per token | sequence (product of the token ratios) | geometric "
+        "(their geometric mean, per sequence).",
+    )
+    behav_imp_weight_mode: str = help_field(
+        "mask", "Above the cap: mask (weight 0, the token or sequence drops out) | clamp (= cap)."
+    )
+    behav_imp_weight_cap: float = help_field(5.0, "Cap of the behaviour weight pi_prox / pi_behav.")
 
     def reuses_forward(self) -> bool:
         """Whether the train calls take the forward run ahead (`reuse_forward`): only a step's
@@ -191,4 +222,28 @@ class PPOHyperparameters:
             problems.append(f"`{prefix}.gamma` and `{prefix}.lam` must be in [0, 1].")
         if self.overlong_buffer_len < 0:
             problems.append(f"`{prefix}.overlong_buffer_len={self.overlong_buffer_len}` must be >= 0.")
+        problems += self._validate_off_policy(prefix)
+        return problems
+
+    def _validate_off_policy(self, prefix: str) -> list[str]:
+        choices = {
+            "prox_logp": PROXIMAL_LOGPROB_METHODS,
+            "behav_imp_weight_level": BEHAVIOUR_WEIGHT_LEVELS,
+            "behav_imp_weight_mode": BEHAVIOUR_WEIGHT_MODES,
+        }
+        problems = [
+            f"`{prefix}.{key}={getattr(self, key)}` is unknown; choose one of {', '.join(valid)}."
+            for key, valid in choices.items()
+            if getattr(self, key) not in valid
+        ]
+        if not self.behav_imp_weight_cap > 0:
+            problems.append(
+                f"`{prefix}.behav_imp_weight_cap={self.behav_imp_weight_cap}` must be > 0 "
+                "(AReaL's default is 5)."
+            )
+        if self.prox_logp != "forward" and not self.decoupled_loss:
+            problems.append(
+                f"`{prefix}.prox_logp={self.prox_logp}` only applies to the decoupled loss; set "
+                f"`{prefix}.decoupled_loss=true` or leave `{prefix}.prox_logp=forward`."
+            )
         return problems

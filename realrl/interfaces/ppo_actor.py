@@ -10,6 +10,10 @@ Ouyang et al. 2022 and the estimator chosen by ``ppo.adv_estimator``:
    this rank's samples; the loss denominator of every step is global (all micro-batches,
    all ranks, `realrl.algo.aggregation`), so the engine's summed gradients equal one process
    training on the whole batch.
+
+The PPO ratio's denominator is the generation's log-probs (the behaviour policy), or with
+``ppo.decoupled_loss`` the proximal policy's (the weights before this call's update), each token
+then weighted by its capped ``pi_prox / pi_behav`` (`realrl.algo.offpolicy`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from realrl.algo.aggregation import aggregate_loss, loss_normaliser
 from realrl.algo.kl import kl_estimate
 from realrl.algo.layout import response_mask
 from realrl.algo.losses import entropy_bonus_loss, ppo_policy_loss
+from realrl.algo.offpolicy import behaviour_importance_weights, interpolated_proximal_logprobs
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
@@ -121,6 +126,8 @@ class PPOActorInterface:
         engine = require_engine(engine, "ppo_actor", "train_step")
         group, device = engine.parallel.dp_group, reduction_device(engine)
         prepared, means = prepare_ppo_batch(self.state, data, group, device)
+        if self._needs_proximal_forward():
+            prepared.update_(shifted_logprobs(engine, prepared, microbatch, "proximal_logprobs"))
         prepared = prepared.to(engine.device)
         ppo, mode = self.ppo, _enum_value(self.ppo.loss_agg_mode)
         step_stats: list[dict] = []
@@ -141,9 +148,19 @@ class PPOActorInterface:
                     return self._loss(engine.module, forward, part, normaliser, mode)
 
                 step_stats.append(engine.train_microbatches(microbatches, loss_fn))
-        stats = _reduce_train_stats(step_stats, means, group, device)
+        stats = _reduce_train_stats(step_stats, means, group, device, ppo.decoupled_loss)
         stats.update(self.state.update_kl_controller(stats))
         return MFCResult(stats=stats)
+
+    def _needs_proximal_forward(self) -> bool:
+        """The decoupled loss's proximal log-probs need their own forward only when the call
+        takes several optimizer steps: later steps' forwards run on updated weights."""
+        ppo = self.ppo
+        return (
+            ppo.decoupled_loss
+            and ppo.prox_logp == "forward"
+            and self.optimizer_steps_per_call() > 1
+        )
 
     def _loss(self, model, forward, part: SequenceSample, normaliser: torch.Tensor, mode: str):
         """This micro-batch's share of the mini-batch loss, and its statistics as sums. `model`
@@ -155,16 +172,7 @@ class PPOActorInterface:
         loss_mask = part.data["loss_mask"]  # [total_tokens - num_seqs]
         logits = forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab (/ tp)]
         logprobs = model.shifted_logprobs(logits, packed_input_ids, cu_seqlens)
-        policy = ppo_policy_loss(
-            logprobs,
-            part.data["old_logprobs"],
-            part.data["advantages"],
-            loss_mask,
-            eps_clip=ppo.eps_clip,
-            eps_clip_high=ppo.eps_clip_high,
-            dual_clip=ppo.dual_clip,
-            ratio_early_stop=ppo.ratio_early_stop,
-        )
+        policy, behaviour = self._policy_loss(logprobs, part)
         entropy_logits = logits if ppo.entropy_coef != 0.0 else logits.detach()
         entropy = model.shifted_entropy(entropy_logits, cu_seqlens)  # [total_tokens - num_seqs]
         per_token = policy.per_token_loss + entropy_bonus_loss(entropy, loss_mask, ppo.entropy_coef)
@@ -192,7 +200,67 @@ class PPOActorInterface:
             "kl_loss_sum": (kl_loss.detach() * mask).sum(),
             "early_stopped": policy.stats["early_stopped"],
         }
+        if behaviour is not None:
+            for name, reported in _BEHAVIOUR_STATS.items():
+                stats[f"{reported}_sum"] = behaviour.stats[name] * num_tokens
         return loss, stats
+
+    def _policy_loss(self, logprobs: torch.Tensor, part: SequenceSample):
+        """The clipped surrogate per token, against the behaviour policy (``old_logprobs``, the
+        generation's log-probs), or with ``ppo.decoupled_loss`` against the proximal policy,
+        times the capped behaviour weight (`realrl.algo.offpolicy`; None otherwise)."""
+        ppo = self.ppo
+        loss_mask = part.data["loss_mask"]  # [total_tokens - num_seqs]
+        old_logprobs = part.data["old_logprobs"]  # [total_tokens - num_seqs] behaviour
+        behaviour = None
+        if ppo.decoupled_loss:
+            proximal = _proximal_logprobs(ppo.prox_logp, logprobs, part)
+            behaviour = behaviour_importance_weights(
+                proximal,
+                old_logprobs,
+                loss_mask,
+                part.cu_seqlens("packed_input_ids"),
+                level=ppo.behav_imp_weight_level,
+                mode=ppo.behav_imp_weight_mode,
+                cap=ppo.behav_imp_weight_cap,
+            )
+            old_logprobs = proximal
+        policy = ppo_policy_loss(
+            logprobs,
+            old_logprobs,
+            part.data["advantages"],
+            loss_mask,
+            eps_clip=ppo.eps_clip,
+            eps_clip_high=ppo.eps_clip_high,
+            dual_clip=ppo.dual_clip,
+            ratio_early_stop=ppo.ratio_early_stop,
+            behaviour_weights=None if behaviour is None else behaviour.weights,
+        )
+        return policy, behaviour
+
+
+def _proximal_logprobs(method: str, logprobs: torch.Tensor, part: SequenceSample) -> torch.Tensor:
+    """``log pi_prox [total_tokens - num_seqs]``: the weights before this train call's update.
+
+    ``forward``: `PPOActorInterface.train_step` computed them (``proximal_logprobs``) when the
+    call takes several optimizer steps; with one, this training forward runs on exactly those
+    weights, so its log-probs, detached, are them. ``interpolate``: AReaL's log-linear
+    interpolation by each token's ``policy_lag`` (train steps since its generating weights).
+    """
+    if method == "interpolate":
+        if "policy_lag" not in part.keys:
+            raise ValueError(
+                "ppo.prox_logp=interpolate needs the per-token `packed_policy_lag` (train steps "
+                "between the weights that generated each token and the trainer's) in "
+                "actor_train's input, and this graph's rollout does not record it; use "
+                "ppo.prox_logp=forward"
+            )
+        return interpolated_proximal_logprobs(
+            part.data["old_logprobs"], logprobs, part.data["policy_lag"]
+        )
+    if "proximal_logprobs" in part.keys:
+        return part.data["proximal_logprobs"]
+    return logprobs.detach()
 
 
 # Per-token sums returned by `_loss`, reported as means over response tokens.
@@ -204,9 +272,18 @@ _TOKEN_SUMS = {
     "entropy_sum": "entropy",
     "kl_loss_sum": "kl_loss_term",
 }
+# Statistics of the decoupled loss's behaviour weight (`behaviour_importance_weights`) and the
+# names they are reported under, as means over response tokens (`_loss` returns their sums).
+_BEHAVIOUR_STATS = {
+    "logp_abs_diff": "behav_logp_abs_diff",
+    "weight": "behav_imp_weight",
+    "capped_fraction": "behav_capped_fraction",
+}
 
 
-def _reduce_train_stats(step_stats: list[dict], means: DistributedMeans, group, device) -> dict:
+def _reduce_train_stats(
+    step_stats: list[dict], means: DistributedMeans, group, device, with_behaviour: bool
+) -> dict:
     """Global statistics of a train step: one all-reduce for rollout and loss statistics.
 
     ``loss``/``policy_loss`` are each rank's share of a step's global loss, so their sum over
@@ -219,6 +296,9 @@ def _reduce_train_stats(step_stats: list[dict], means: DistributedMeans, group, 
             means.add_global_total(name, stats[name], num_steps)
         for name, reported in _TOKEN_SUMS.items():
             means.add(reported, stats[name], stats["num_tokens"])
+        if with_behaviour:
+            for reported in _BEHAVIOUR_STATS.values():
+                means.add(reported, stats[f"{reported}_sum"], stats["num_tokens"])
     result = means.reduce(group, device)
     result["early_stopped_microbatches"] = result.pop("early_stopped")
     result.update(optimizer_step_stats(step_stats))

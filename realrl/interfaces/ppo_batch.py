@@ -135,8 +135,9 @@ def prepare_ppo_batch(
     """Rewards -> token rewards -> advantages and returns for this rank's rollouts.
 
     Returns a sample with ``packed_input_ids`` and the shifted ``loss_mask``,
-    ``old_logprobs``, ``advantages``, ``returns`` (plus ``ref_logprobs`` and per-token
-    ``values`` when given), and the rollout statistics to reduce with the training ones.
+    ``old_logprobs`` (the generation's), ``advantages``, ``returns`` (plus ``ref_logprobs``,
+    ``policy_lag`` from ``packed_policy_lag``, and per-token ``values`` when given), and the
+    rollout statistics to reduce with the training ones.
     Whitening and value-normaliser statistics are global over ``process_group``.
     """
     ppo = state.ppo
@@ -191,6 +192,11 @@ def prepare_ppo_batch(
         "returns": returns,
         "ref_logprobs": ref_logprobs,
         "values": values,
+        # Train steps since each token's generating weights (an asynchronous rollout records
+        # it; the decoupled loss's `ppo.prox_logp=interpolate` reads it).
+        "policy_lag": (
+            data.data["packed_policy_lag"].cpu() if "packed_policy_lag" in data.keys else None
+        ),
     }
     prepared = _training_sample(data.ids, seqlens, tensors)
     means = _rollout_means(

@@ -178,6 +178,22 @@ def test_reinforce_plus_plus_baseline_subtracts_group_mean_then_whitens():
     torch.testing.assert_close(out.advantages[mask], torch.tensor([0.707091, 0.707091, -1.414182]))
 
 
+def test_reinforce_plus_plus_baseline_returns_are_rewards_to_go_minus_the_group_mean():
+    # Per-token KL penalties in the rewards: [-0.5, 0, 1] and [-0.2, 0, 0] in one group.
+    # Scores 0.5 and -0.2, mean 0.15; gamma 1 -> seq0 rewards-to-go [0.5, 1, 1] - 0.15
+    # = [0.35, 0.85, 0.85] (score - mean = 0.35 only on the first token), seq1 [-0.2, 0, 0]
+    # - 0.15 = [-0.35, -0.15, -0.15].
+    cu_seqlens, loss_mask = _batch([2, 2], [3, 3])
+    token_rewards = torch.zeros(loss_mask.shape)
+    token_rewards[loss_mask] = torch.tensor([-0.5, 0.0, 1.0, -0.2, 0.0, 0.0])
+    inputs = AdvantageInputs(token_rewards=token_rewards, loss_mask=loss_mask,
+                             cu_seqlens=cu_seqlens, group_ids=torch.tensor([0, 0]))
+    out = compute_advantages("reinforce_plus_plus_baseline", inputs, RAW)
+    torch.testing.assert_close(
+        out.returns[loss_mask], torch.tensor([0.35, 0.85, 0.85, -0.35, -0.15, -0.15])
+    )
+
+
 def test_adv_norm_whitens_sequence_level_advantages_over_response_tokens():
     # dr_grpo gives response tokens [0.5, 0.5, -0.5] (seq lengths 2 and 1); whitening as above
     inputs = _sequence_inputs([1.0, 0.0], [2, 1], group_ids=[0, 0])
