@@ -51,8 +51,9 @@ gives the launched path's tokens and log-probs within 1e-5 (tests on CPU, and ag
 transformers' greedy output on CUDA); in bf16 the rounding order differs, so greedy tokens agree
 up to a near-tie (0.05 nats apart in fp32) and log-probs stay within 0.1 nats of a forward.
 
-Speed on an H100: pending the lead's run of `benchmarks/bench_gpu_generation.py` (engines
-`realrl_graphs`, `realrl_compiled`, `realrl_eager`, `transformers`).
+Speed on an H100 (`benchmarks/bench_gpu_generation.py`, 0.5B-shaped model, bf16, ms per step at
+64 / 512 rows): captured 2.62 / 5.34, captured and compiled 1.84 / -, eager 17.3 / 20.1,
+transformers 36.3 / 34.2, floor 0.38 / 0.68.
 """
 
 from __future__ import annotations
