@@ -31,6 +31,9 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
+        if len(self.problems) == 1:  # one mistake, one line
+            super().__init__(f"invalid configuration: {self.problems[0]}")
+            return
         lines = "\n".join(f"  - {problem}" for problem in self.problems)
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
@@ -119,8 +122,10 @@ class SlurmConfig:
     cpus_per_task: int | None = help_field(None, "CPUs per worker task (default: node CPUs / tasks).")
     mem_per_task_mb: int | None = help_field(None, "Memory per task in MB.")
     gpu_request: str = help_field(
-        "gres", "How GPUs are requested: 'gres' (--gres=gpu:N), 'gpus' (--gpus-per-node=N), or "
-        "'none' (CPU-only nodes: n_devices_per_node is then worker processes per node)."
+        "auto", "How GPUs are requested: 'gres' (--gres=gpu:N), 'gpus' (--gpus-per-node=N), "
+        "'none' (CPU-only nodes: n_devices_per_node is then worker processes per node), or "
+        "'auto': 'gres' when `sinfo` lists a GPU GRES on the partition's nodes, else 'none' "
+        "(resolved at launch; 'gres' where sinfo is not on PATH)."
     )
     container_image: str | None = help_field(None, "pyxis --container-image for every srun step.")
     singularity_image: str | None = help_field(None, "Run every task under `singularity exec`.")
@@ -180,6 +185,13 @@ class BaseExperimentConfig:
         "GPUs per node, or model-worker processes per node on a CPU-only machine; 0: detect "
         "(this machine's GPUs; without GPUs one worker per core up to 2 cores, then one per 2 "
         "cores, at most 4).",
+    )
+    # ---- preflight (`realrl.launcher.preflight`)
+    allow_oversubscribe: bool = help_field(
+        False,
+        "Local CPU runs: start more model workers (n_nodes * n_devices_per_node) than this "
+        "process may use cores. Refused by default: each worker then gets a fraction of a core "
+        "and every step waits for the slowest.",
     )
     allocation_mode: str = help_field(
         "auto",
