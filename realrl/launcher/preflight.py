@@ -37,6 +37,7 @@ from realrl.api.config import (
 from realrl.api.experiment import DatasetKind, ModelKind, ModelRoleConfig, ModelSpec
 from realrl.api.rl_config import GenerationHyperparameters
 from realrl.datasets.jsonl import DatasetError
+from realrl.datasets.records import iter_paired_records, iter_prompt_records, iter_sft_records
 from realrl.launcher.checkpoint_files import checkpoint_problem, read_model_config
 from realrl.launcher.plan import LaunchPlan, build_plan, workers_without_gpus
 
@@ -158,8 +159,6 @@ def context_problems(config: BaseExperimentConfig, models: dict[str, ModelSpec])
 def dataset_problems(config: BaseExperimentConfig, plan: LaunchPlan) -> list[str]:
     """A user file streamed and validated (file:line), its record count against
     `dataset.batch_size`, and `dataset.apply_chat_template=true` against the tokenizer."""
-    from realrl.workers.data_source import check_chat_template, count_records
-
     dataset = config.dataset
     try:
         records = count_records(plan.spec.dataset_kind, dataset.path, dataset.builtin_train_size)
@@ -173,8 +172,20 @@ def dataset_problems(config: BaseExperimentConfig, plan: LaunchPlan) -> list[str
                         f"of {where}, so no full batch can be served: set dataset.batch_size to "
                         f"at most {records}, or add records")
     if dataset.apply_chat_template:
+        from realrl.workers.data_source import check_chat_template  # imports transformers
+
         check_chat_template(dataset.apply_chat_template, plan.spec.models)
     return problems
+
+
+def count_records(kind: DatasetKind, path: str, builtin_train_size: int) -> int:
+    """The records `realrl.workers.data_source.load_records` would return, validated line by
+    line without keeping them (a multi-GB file never sits in memory), and without torch."""
+    if not path:
+        return builtin_train_size
+    iterate = {DatasetKind.prompt: iter_prompt_records, DatasetKind.sft: iter_sft_records,
+               DatasetKind.paired: iter_paired_records}[kind]
+    return sum(1 for _ in iterate(path))
 
 
 def resume_problems(config: BaseExperimentConfig) -> list[str]:
