@@ -54,6 +54,12 @@ def sbatch_fix(message: str) -> str:
     return "fix: see the `slurm.*` keys (`--help`) and docs/slurm.md; `--dry-run` checks them"
 
 
+def lists_gpu_gres(sinfo_gres: str) -> bool:
+    """Whether `sinfo -h -o %G` output names a GPU GRES on any line, e.g. `gpu:8`,
+    `gpu:a100:4(S:0-1)` or `gpu:2,shard:8` (a CPU node shows `(null)`)."""
+    return any(re.search(r"(^|,)gpu(:|$)", line.strip()) for line in sinfo_gres.splitlines())
+
+
 def detected_gpu_request(partition: str | None) -> str:
     """`gres` when sinfo lists a GPU GRES on `partition`'s nodes (any partition's for None),
     else `none`; `gres` where sinfo is missing or fails (the old default)."""
@@ -72,7 +78,7 @@ def detected_gpu_request(partition: str | None) -> str:
         logger.warning("slurm.gpu_request=auto: `%s` failed: %s; assuming gres",
                        " ".join(command), result.stderr.strip())
         return "gres"
-    has_gpus = any(re.search(r"(^|,)gpu[:(]", line.strip()) for line in result.stdout.splitlines())
+    has_gpus = lists_gpu_gres(result.stdout)
     request = "gres" if has_gpus else "none"
     logger.info("slurm.gpu_request=auto: sinfo lists %s GPU GRES%s: %s", "a" if has_gpus else "no",
                 f" on partition {partition}" if partition else "", request)
@@ -89,6 +95,8 @@ def submission_problems(config: BaseExperimentConfig) -> list[str]:
     """`sbatch --test-only` of the job's script: [] when SLURM would accept it, else one
     problem quoting sbatch and naming the fix. Skipped without SLURM's commands."""
     if not have_slurm_commands():
+        logger.warning("sinfo or sbatch is not on PATH: the job is not checked against a "
+                       "cluster (`sbatch --test-only`)")
         return []
     script = render_batch_script(config, SlurmJob(1, None, None, None))
     with tempfile.TemporaryDirectory(prefix="realrl-sbatch-") as directory:
