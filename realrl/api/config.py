@@ -63,6 +63,11 @@ class RecoverMode(str, enum.Enum):
     resume = "resume"
 
 
+class NanPolicy(str, enum.Enum):
+    stop = "stop"
+    skip = "skip"
+
+
 class WandbMode(str, enum.Enum):
     online = "online"
     offline = "offline"
@@ -249,6 +254,19 @@ class BaseExperimentConfig:
         "and keep fp32 master weights, fp32 gradients and fp32 AdamW moments, 18 bytes per "
         "parameter (fp32: 16), so updates below one bf16 spacing (lr=1e-6) still add up; "
         "activations take up to half of fp32's memory per token.",
+    )
+    # ---- non-finite values (`realrl.backends.torch_engine`, `realrl.workers.model_worker`)
+    nan_policy: NanPolicy = help_field(
+        NanPolicy.stop,
+        "What a NaN or inf loss, gradient norm or MFC output (rewards, values, log-probs) does. "
+        "stop: end the run with an error naming the step, the MFC, the role and the micro-batch "
+        "(or the output key and samples); the last checkpoint stays the newest. skip: warn, "
+        "skip the optimizer step (every data-parallel rank alike: the norm is all-reduced; the "
+        "learning-rate schedule does not advance) and count it as `<mfc>/skipped_steps`; a non-finite output goes on to training, whose step "
+        "is then skipped. Default stop: on a first run a non-finite value is more often a bug "
+        "or a learning rate too high than a rare spike, and skipping would hide it; skip suits "
+        "long runs that have shown the odd bad batch (as Megatron and DeepSpeed skip fp16 "
+        "overflow steps).",
     )
     # ---- memory guidance (`realrl.workers.memory_watch`)
     worker_memory_gb: float | None = help_field(
