@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 SLURM_QUERY_TIMEOUT_S = 30
 # sbatch's words -> what to change; the first matching pattern wins.
 SBATCH_FIXES = [
+    (re.compile(r"contact slurm controller|Socket timed out", re.IGNORECASE),
+     "the SLURM controller did not answer: check `scontrol ping` and `sinfo`, then retry"),
     (re.compile(r"generic resource|gres", re.IGNORECASE),
      "the nodes have no GPU GRES: set `slurm.gpu_request=none` for CPU-only nodes (or auto, "
      "which asks sinfo), or `slurm.gpu_request=gpus` where GPUs are requested with --gpus"),

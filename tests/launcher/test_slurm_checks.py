@@ -37,6 +37,8 @@ def test_sbatch_errors_get_the_fix_for_their_cause():
         "name specified")
     assert "n_devices_per_node" in sbatch_fix(
         "allocation failure: Requested node configuration is not available")
+    assert "scontrol ping" in sbatch_fix(
+        "allocation failure: Unable to contact slurm controller (connect failure)")
     assert "docs/slurm.md" in sbatch_fix("sbatch: error: something new")
 
 
