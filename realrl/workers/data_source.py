@@ -23,14 +23,7 @@ from realrl.datasets.loader import (
     make_prompt_batch,
     make_sft_batch,
 )
-from realrl.datasets.records import (
-    iter_paired_records,
-    iter_prompt_records,
-    iter_sft_records,
-    load_paired_records,
-    load_prompt_records,
-    load_sft_records,
-)
+from realrl.datasets.records import load_paired_records, load_prompt_records, load_sft_records
 from realrl.models.tokenizer import load_tokenizer, resolve_chat_template
 from realrl.workers.run_plan import RunPlan
 
@@ -64,17 +57,6 @@ def load_records(kind: DatasetKind, path: str, builtin_train_size: int = BUILTIN
     loader = {DatasetKind.prompt: load_prompt_records, DatasetKind.sft: load_sft_records,
               DatasetKind.paired: load_paired_records}[kind]
     return loader(path)
-
-
-def count_records(kind: DatasetKind, path: str, builtin_train_size: int = BUILTIN_TRAIN_SIZE
-                  ) -> int:
-    """How many records `load_records` would return, validating a file line by line without
-    keeping its records (the launcher checks multi-GB files this way)."""
-    if not path:
-        return builtin_train_size
-    iterate = {DatasetKind.prompt: iter_prompt_records, DatasetKind.sft: iter_sft_records,
-               DatasetKind.paired: iter_paired_records}[kind]
-    return sum(1 for _ in iterate(path))
 
 
 def tokenizer_path(models: dict[str, ModelSpec]) -> str:
