@@ -34,7 +34,13 @@ from realrl.api.config import (
     may_have_gpus,
     usable_cores,
 )
-from realrl.api.experiment import DatasetKind, ModelKind, ModelRoleConfig, ModelSpec
+from realrl.api.experiment import (
+    DatasetKind,
+    ExperimentSpec,
+    ModelKind,
+    ModelRoleConfig,
+    ModelSpec,
+)
 from realrl.api.rl_config import GenerationHyperparameters
 from realrl.datasets.jsonl import DatasetError
 from realrl.datasets.records import iter_paired_records, iter_prompt_records, iter_sft_records
@@ -56,11 +62,11 @@ def prepare_launch(config: BaseExperimentConfig) -> LaunchPlan:
         problems += slurm_problems(config)
         resolve_gpu_request(config)
     resolve_model_paths(config)
-    models = config.build().models
-    problems += model_path_problems(models)
+    spec = config.build()
+    problems += model_path_problems(spec.models)
     if problems:  # the plan reads the models' config.json
         raise ConfigError(problems)
-    problems += context_problems(config, models)
+    problems += context_problems(config, spec)
     plan = build_plan(config)
     problems += dataset_problems(config, plan)
     problems += resume_problems(config)
@@ -122,14 +128,14 @@ def _context_limit(models: dict[str, ModelSpec]) -> tuple[int, str] | None:
     return min(limits) if limits else None
 
 
-def context_problems(config: BaseExperimentConfig, models: dict[str, ModelSpec]) -> list[str]:
+def context_problems(config: BaseExperimentConfig, spec: ExperimentSpec) -> list[str]:
     """Fill null length limits from the models' context, and refuse limits past it."""
-    limit = _context_limit(models)
+    limit = _context_limit(spec.models)
     dataset = getattr(config, "dataset", None)
     if limit is None or dataset is None:
         return []
     positions, source = limit
-    if config.build().dataset_kind != DatasetKind.prompt:
+    if spec.dataset_kind != DatasetKind.prompt:
         if dataset.max_seq_len is None:
             dataset.max_seq_len = positions
         elif dataset.max_seq_len > positions:
