@@ -31,6 +31,9 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
+        if len(self.problems) == 1:  # one mistake, one line
+            super().__init__(f"invalid configuration: {self.problems[0]}")
+            return
         lines = "\n".join(f"  - {problem}" for problem in self.problems)
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
@@ -58,6 +61,11 @@ class RecoverMode(str, enum.Enum):
     disabled = "disabled"
     auto = "auto"
     resume = "resume"
+
+
+class NanPolicy(str, enum.Enum):
+    stop = "stop"
+    skip = "skip"
 
 
 class WandbMode(str, enum.Enum):
@@ -119,8 +127,10 @@ class SlurmConfig:
     cpus_per_task: int | None = help_field(None, "CPUs per worker task (default: node CPUs / tasks).")
     mem_per_task_mb: int | None = help_field(None, "Memory per task in MB.")
     gpu_request: str = help_field(
-        "gres", "How GPUs are requested: 'gres' (--gres=gpu:N), 'gpus' (--gpus-per-node=N), or "
-        "'none' (CPU-only nodes: n_devices_per_node is then worker processes per node)."
+        "auto", "How GPUs are requested: 'gres' (--gres=gpu:N), 'gpus' (--gpus-per-node=N), "
+        "'none' (CPU-only nodes: n_devices_per_node is then worker processes per node), or "
+        "'auto': 'gres' when `sinfo` lists a GPU GRES on the partition's nodes, else 'none' "
+        "(resolved at launch; 'gres' where sinfo is not on PATH)."
     )
     container_image: str | None = help_field(None, "pyxis --container-image for every srun step.")
     singularity_image: str | None = help_field(None, "Run every task under `singularity exec`.")
@@ -181,6 +191,13 @@ class BaseExperimentConfig:
         "(this machine's GPUs; without GPUs one worker per core up to 2 cores, then one per 2 "
         "cores, at most 4).",
     )
+    # ---- preflight (`realrl.launcher.preflight`)
+    allow_oversubscribe: bool = help_field(
+        False,
+        "Local CPU runs: start more model workers (n_nodes * n_devices_per_node) than this "
+        "process may use cores. Refused by default: each worker then gets a fraction of a core "
+        "and every step waits for the slowest.",
+    )
     allocation_mode: str = help_field(
         "auto",
         "Parallel layout: 'auto', a global layout such as 'd2t1', or per-MFC layouts such as "
@@ -237,6 +254,19 @@ class BaseExperimentConfig:
         "and keep fp32 master weights, fp32 gradients and fp32 AdamW moments, 18 bytes per "
         "parameter (fp32: 16), so updates below one bf16 spacing (lr=1e-6) still add up; "
         "activations take up to half of fp32's memory per token.",
+    )
+    # ---- non-finite values (`realrl.backends.torch_engine`, `realrl.workers.model_worker`)
+    nan_policy: NanPolicy = help_field(
+        NanPolicy.stop,
+        "What a NaN or inf loss, gradient norm or MFC output (rewards, values, log-probs) does. "
+        "stop: end the run with an error naming the step, the MFC, the role and the micro-batch "
+        "(or the output key and samples); the last checkpoint stays the newest. skip: warn, "
+        "skip the optimizer step (every data-parallel rank alike: the norm is all-reduced; the "
+        "learning-rate schedule does not advance) and count it as `<mfc>/skipped_steps`; a non-finite output goes on to training, whose step "
+        "is then skipped. Default stop: on a first run a non-finite value is more often a bug "
+        "or a learning rate too high than a rare spike, and skipping would hide it; skip suits "
+        "long runs that have shown the odd bad batch (as Megatron and DeepSpeed skip fp16 "
+        "overflow steps).",
     )
     # ---- memory guidance (`realrl.workers.memory_watch`)
     worker_memory_gb: float | None = help_field(

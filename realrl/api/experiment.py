@@ -176,13 +176,16 @@ class DatasetKind(str, enum.Enum):
 class DatasetConfig:
     path: str = help_field("", "JSONL file; empty: the built-in synthetic arithmetic data.")
     batch_size: int = help_field(16, "Samples (prompts or pairs) per training step.")
-    max_prompt_len: int = help_field(
-        256, "Prompt records (ppo-math, gen): prompts with more tokens are dropped (counted in the "
-        "log)."
+    max_prompt_len: int | None = help_field(
+        None, "Prompt records (ppo-math, gen): prompts with more tokens are dropped (counted in the "
+        "log). null: the model's context (max_position_embeddings) minus gen.max_new_tokens, "
+        "resolved at launch; a limit that lets prompt plus response pass the model's context is "
+        "refused at launch."
     )
-    max_seq_len: int = help_field(
-        512, "SFT and paired records (sft, rw, dpo): records with a longer sequence (prompt, "
-        "completion and EOS) are dropped (counted in the log)."
+    max_seq_len: int | None = help_field(
+        None, "SFT and paired records (sft, rw, dpo): records with a longer sequence (prompt, "
+        "completion and EOS) are dropped (counted in the log). null: the model's context "
+        "(max_position_embeddings), resolved at launch; a longer limit is refused at launch."
     )
     builtin_train_size: int = help_field(
         4096, "With an empty path: how many built-in arithmetic problems form the training set."
@@ -203,8 +206,11 @@ class DatasetConfig:
             problems.append(
                 f"`{prefix}.builtin_train_size={self.builtin_train_size}` must be in [1, 4096]."
             )
-        if self.max_prompt_len < 1:
-            problems.append(f"`{prefix}.max_prompt_len={self.max_prompt_len}` must be >= 1.")
+        for name in ("max_prompt_len", "max_seq_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"`{prefix}.{name}={value}` must be >= 1, or null for the "
+                                "model's context.")
         return problems
 
 

@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
             entry.config_class, args.overrides, args.config,
             defaults={"experiment_name": entry.name},
         )
-        if args.dry_run:
-            from realrl.launcher.plan import build_plan
+        if args.dry_run:  # the same checks as a start (`realrl.launcher.preflight`)
+            from realrl.launcher.preflight import prepare_launch
 
-            out.write(build_plan(config).describe(to_yaml(config)))
+            out.write(prepare_launch(config).describe(to_yaml(config)))
             if config.mode.value == "slurm":
                 from realrl.launcher.slurm import describe_dry_run
 

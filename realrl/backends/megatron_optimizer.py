@@ -173,7 +173,9 @@ class MegatronOptimizerBackend:
         with self.ddp.no_sync():
             loss.backward()
 
-    def step(self, max_norm: float) -> float:
+    def step(self, max_norm: float, skip_non_finite: bool = False) -> float:
+        """`DistributedOptimizer.step()` in its three parts, so that a non-finite norm can
+        stop before the update (`skip_non_finite`)."""
         self.ddp.finish_grad_sync()
         # Sequence-parallel norms: summed over tp after the data-parallel reduce-scatter, as
         # megatron's `finalize_model_grads` does (tp peers own the same buffer ranges, so this
@@ -182,12 +184,14 @@ class MegatronOptimizerBackend:
             [(p, p.main_grad) for p in self.module.parameters() if p.requires_grad],
             self.parallel,
         )
-        # inf: megatron still measures the norm, and max_norm / norm is never below 1.
-        self.distributed.config.clip_grad = max_norm if max_norm > 0 else math.inf
-        succeeded, grad_norm, _ = self.distributed.step()
-        if not succeeded:  # only a loss scaler (fp16) can skip a step; bf16 and fp32 never do
+        if self.distributed.prepare_grads():  # only a loss scaler (fp16) finds infs here
             raise RuntimeError("megatron's DistributedOptimizer skipped the step")
-        return float(grad_norm)
+        # inf: megatron still measures the norm, and max_norm / norm is never below 1.
+        grad_norm = float(self.distributed.clip_grad_norm(max_norm if max_norm > 0 else math.inf))
+        if skip_non_finite and not math.isfinite(grad_norm):
+            return grad_norm
+        self.distributed.step_with_ready_grads()
+        return grad_norm
 
     def _layout(self) -> dict:
         parallel = self.parallel

@@ -45,10 +45,12 @@ class OptimizerBackend(Protocol):
         """Add `loss`'s gradients to the step's sums; data-parallel sums may start during the
         last micro-batch's backward."""
 
-    def step(self, max_norm: float) -> float:
+    def step(self, max_norm: float, skip_non_finite: bool = False) -> float:
         """Finish the data-parallel sums, clip to `max_norm` (<= 0: no clipping), step AdamW
         and write the result into the module's weights; returns the global gradient norm
-        before clipping (one host sync)."""
+        before clipping (one host sync). With `skip_non_finite` a NaN or inf norm leaves
+        weights and optimizer state as they were (`nan_policy=skip`); the norm is the same
+        on every rank, so every rank skips alike."""
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (and fp32 masters) for a checkpoint."""

@@ -13,21 +13,35 @@ every rank, shared-memory or bucketed gradient sums; the choice on CPU) or `mega
 (`realrl.backends.megatron_optimizer`: megatron-core's DDP and distributed optimizer, fp32
 masters and moments sharded over the data-parallel group; the choice on CUDA). A module in a
 lower precision than fp32 (bf16) trains on fp32 master weights under both.
+
+A NaN or inf loss or gradient norm follows `nan_policy` (the run-wide key): `stop` raises
+`NonFiniteError` naming the micro-batch before the update, `skip` leaves the weights and the
+optimizer state as they were, counts the step in `skipped_steps` and warns.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from realrl.api.config import NanPolicy
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import OptimizerBackendName, OptimizerConfig
 from realrl.backends.optimizer_backend import OptimizerBackend
 from realrl.backends.torch_optimizer import TorchOptimizerBackend
 from realrl.models.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or inf loss or gradient norm under `nan_policy=stop`; the worker adds the step,
+    the MFC and the role to the message."""
 
 
 @dataclass
@@ -96,6 +110,9 @@ class TorchEngine:
         # fp32 copies of a frozen low-precision module's weights that EMA updates blend into
         # (`ema_master`), by parameter name; made at the first blend.
         self.ema_masters: dict[str, torch.Tensor] = {}
+        # `nan_policy` (the worker sets the run's), and the optimizer steps it skipped.
+        self.nan_policy = NanPolicy.stop
+        self.skipped_steps = 0
         # Gradients, optimizer and LR schedule of a trainable engine (None when frozen).
         self.backend: OptimizerBackend | None = None
         if optimizer_config is None:
@@ -207,18 +224,46 @@ class TorchEngine:
         totals: dict[str, float] = {}
         reused: list[int] = []
         forward = self._take_kept(reused)
+        finite_losses = []
         for index, microbatch in enumerate(microbatches):
             loss, stats = loss_fn(forward, microbatch)
+            finite_losses.append(torch.isfinite(loss.detach()))
             self.backend.backward(loss, last_microbatch=index == len(microbatches) - 1)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value)
+        bad_losses = [index for index, finite in enumerate(torch.stack(finite_losses).tolist())
+                      if not finite]
+        if bad_losses and self.nan_policy != NanPolicy.skip:
+            raise NonFiniteError(
+                f"non-finite loss in micro-batch {bad_losses[0] + 1} of {len(microbatches)} "
+                f"(non-finite in micro-batches {[index + 1 for index in bad_losses]}); "
+                "nan_policy=stop")
         lr = self.optimizer.param_groups[0]["lr"]
-        grad_norm = self.backend.step(self.optimizer_config.gradient_clipping)
-        self.lr_scheduler.step()
+        # A non-finite norm never updates the weights, whichever the policy.
+        grad_norm = self.backend.step(self.optimizer_config.gradient_clipping,
+                                      skip_non_finite=True)
+        if math.isfinite(grad_norm):
+            self.lr_scheduler.step()
+        else:  # as in Megatron, a skipped step does not advance the learning-rate schedule
+            self._non_finite_gradient_norm(grad_norm, bad_losses, len(microbatches))
         totals["grad_norm"] = float(grad_norm)
         totals["forward_reused"] = len(reused) / max(len(microbatches), 1)
         totals["lr"] = lr
         return totals
+
+    def _non_finite_gradient_norm(self, grad_norm: float, bad_losses: list[int],
+                                  num_microbatches: int) -> None:
+        """The backend left the weights as they were; `nan_policy=stop` raises, `skip`
+        counts the step and warns."""
+        where = (f"non-finite losses in micro-batches {[index + 1 for index in bad_losses]} of "
+                 f"{num_microbatches}" if bad_losses else
+                 f"every loss of the {num_microbatches} micro-batch(es) finite")
+        if self.nan_policy != NanPolicy.skip:
+            raise NonFiniteError(f"non-finite gradient norm ({grad_norm}) with {where}; "
+                                 "nan_policy=stop")
+        self.skipped_steps += 1
+        logger.warning("non-finite gradient norm (%s) with %s: optimizer step skipped "
+                       "(nan_policy=skip)", grad_norm, where)
 
     def state_for_checkpoint(self) -> dict:
         """The optimizer backend's state (AdamW's, and for a low-precision module its fp32

@@ -29,6 +29,8 @@ the summation through shared memory ~4 ms. `REALRL_SHARED_MEMORY=0` turns it off
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -89,13 +91,15 @@ class TorchOptimizerBackend:
             self.gradient_buckets.arm()
         loss.backward()
 
-    def step(self, max_norm: float) -> float:
+    def step(self, max_norm: float, skip_non_finite: bool = False) -> float:
         if self.gradient_buckets is not None:
             self.gradient_buckets.finish()
         sum_sequence_parallel_gradients(
             [(p, holder.grad) for p, holder in self._gradient_holders()], self.parallel
         )
         grad_norm = self._clip_gradients(max_norm)
+        if skip_non_finite and not math.isfinite(grad_norm):
+            return grad_norm
         self.optimizer.step()
         if self.master_weights is not None:
             self.master_weights.copy_to_module()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,30 +78,66 @@ def read_jsonl(
     problems for a record whose keys and types are fine. Each returned record gets
     ``"_line"``, its 1-based line number, for later messages.
     """
+    return list(iter_jsonl(path, required, optional, check, non_empty, max_problems))
+
+
+def iter_jsonl(
+    path: str | Path,
+    required: dict[str, TypeSpec],
+    optional: dict[str, TypeSpec] | None = None,
+    check: Callable[[dict[str, Any]], list[str]] | None = None,
+    non_empty: Iterable[str] = ("prompt",),
+    max_problems: int = 10,
+) -> Iterator[dict[str, Any]]:
+    """`read_jsonl` one record at a time, so that a multi-GB file is validated in constant
+    memory (the launcher counts records this way). The `DatasetError` listing every problem
+    is raised once the file is read (or after ``max_problems``); records are yielded as they
+    are found valid, so a caller sees the error only after the last one."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file {path} does not exist or is not a file")
     optional = optional or {}
     non_empty = tuple(non_empty)
-    records: list[dict[str, Any]] = []
     problems: list[str] = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    found_any = False
+    for line_number, line, problem in _decoded_lines(path):
+        if problem is None:
             if not line.strip():
                 continue
             line_problems, record = _parse_line(line, required, optional, check, non_empty)
-            problems.extend(f"{path}:{line_number}: {problem}" for problem in line_problems)
-            if record is not None and not line_problems:
-                record["_line"] = line_number
-                records.append(record)
-            if len(problems) >= max_problems:
-                problems.append(f"{path}: stopped after {max_problems} problems")
-                break
+        else:
+            line_problems, record = [problem], None
+        problems.extend(f"{path}:{line_number}: {problem}" for problem in line_problems)
+        if record is not None and not line_problems:
+            record["_line"] = line_number
+            found_any = True
+            yield record
+        if len(problems) >= max_problems:
+            problems.append(f"{path}: stopped after {max_problems} problems")
+            break
+    if len(problems) == 1:
+        raise DatasetError(f"invalid dataset: {problems[0]}")
     if problems:
         raise DatasetError(f"invalid dataset {path}:\n  " + "\n  ".join(problems))
-    if not records:
+    if not found_any:
         raise DatasetError(f"dataset file {path} holds no records (every line is blank)")
-    return records
+
+
+def _decoded_lines(path: Path) -> Iterator[tuple[int, str, str | None]]:
+    """(1-based line number, text, problem) for each line; a line that is not UTF-8 comes
+    with a problem naming the bad byte and its offset in the line and in the file."""
+    offset = 0
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                yield line_number, raw.decode("utf-8"), None
+            except UnicodeDecodeError as error:
+                bad = raw[error.start:error.start + 1].hex()
+                yield line_number, "", (
+                    f"not UTF-8: byte 0x{bad} at column {error.start + 1} (byte offset "
+                    f"{offset + error.start} of the file); save the file as UTF-8"
+                )
+            offset += len(raw)
 
 
 def _parse_line(

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from realrl.datasets.jsonl import DatasetError, read_jsonl
+from realrl.datasets.jsonl import DatasetError, iter_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +95,16 @@ def check_paired_record(record: dict[str, Any]) -> list[str]:
 
 def load_prompt_records(path: str | Path) -> list[dict[str, Any]]:
     """RL prompt records with ``task`` and ``query_id`` filled in (see module docstring)."""
+    return list(iter_prompt_records(path))
+
+
+def iter_prompt_records(path: str | Path) -> Iterator[dict[str, Any]]:
+    """`load_prompt_records` one record at a time (in constant memory but for the query ids);
+    a `DatasetError` comes after the last record."""
     path = Path(path)
-    records = read_jsonl(path, PROMPT_REQUIRED, PROMPT_OPTIONAL, check=check_prompt_record)
     first_line_of: dict[str, int] = {}
     problems = []
-    for record in records:
+    for record in iter_jsonl(path, PROMPT_REQUIRED, PROMPT_OPTIONAL, check=check_prompt_record):
         record["task"] = record.get("task") or "math"
         given_id = record.get("query_id")
         query_id = str(given_id) if given_id is not None else f"{path.stem}-{record['_line']}"
@@ -109,14 +115,22 @@ def load_prompt_records(path: str | Path) -> list[dict[str, Any]]:
                 f"{first_line_of[query_id]}; query ids must be unique"
             )
         first_line_of.setdefault(query_id, record["_line"])
+        yield record
     if problems:
         raise DatasetError(f"invalid dataset {path}:\n  " + "\n  ".join(problems[:10]))
-    return records
 
 
 def load_sft_records(path: str | Path) -> list[dict[str, Any]]:
-    return read_jsonl(path, SFT_REQUIRED, non_empty=("prompt", "answer"))
+    return list(iter_sft_records(path))
+
+
+def iter_sft_records(path: str | Path) -> Iterator[dict[str, Any]]:
+    return iter_jsonl(path, SFT_REQUIRED, non_empty=("prompt", "answer"))
 
 
 def load_paired_records(path: str | Path) -> list[dict[str, Any]]:
-    return read_jsonl(path, PAIRED_REQUIRED, check=check_paired_record)
+    return list(iter_paired_records(path))
+
+
+def iter_paired_records(path: str | Path) -> Iterator[dict[str, Any]]:
+    return iter_jsonl(path, PAIRED_REQUIRED, check=check_paired_record)

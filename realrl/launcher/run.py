@@ -9,7 +9,6 @@ the CPU threads, and any failure or Ctrl-C stops all of them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -18,16 +17,9 @@ import time
 from pathlib import Path
 
 from realrl.api import environment
-from realrl.api.config import (
-    BaseExperimentConfig,
-    ConfigError,
-    RecoverMode,
-    may_have_gpus,
-    to_yaml,
-    usable_cores,
-)
-from realrl.api.experiment import ModelRoleConfig
-from realrl.launcher.plan import LaunchPlan, build_plan
+from realrl.api.config import BaseExperimentConfig, RecoverMode, to_yaml, usable_cores
+from realrl.launcher.plan import LaunchPlan
+from realrl.launcher.preflight import prepare_launch
 from realrl.launcher.processes import (
     ProcessFailure,
     ProcessSpec,
@@ -39,54 +31,6 @@ from realrl.workers.run_plan import RunPlan, base_settings
 from realrl.workers.run_secret import create_run_secret
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_paths(config: BaseExperimentConfig) -> None:
-    """Fill empty `*.path` keys: linked roles (critic, ref) take their source's path, the rest
-    the built-in default model (see `realrl.launcher.warm_start`)."""
-    from realrl.launcher.warm_start import default_model_path
-
-    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                if isinstance(getattr(config, f.name), ModelRoleConfig)}
-    links = getattr(config, "model_path_links", dict)()
-    for name, section in sections.items():
-        if not section.path and name not in links:
-            section.path = str(default_model_path(config, name))
-    for name, source in links.items():
-        if not sections[name].path:
-            sections[name].path = sections[source].path
-
-
-def check_dataset(config: BaseExperimentConfig, plan: LaunchPlan) -> None:
-    """Validate a user dataset file here, before any process starts: a malformed line raises
-    `DatasetError` naming the file, the line and the problem (the CLI prints it, exit 2),
-    instead of a traceback from the master after every worker has loaded its models; so does
-    `dataset.apply_chat_template=true` with a tokenizer that has no chat template."""
-    if config.dataset.path:
-        from realrl.workers.data_source import load_records
-
-        load_records(plan.spec.dataset_kind, config.dataset.path)
-    if config.dataset.apply_chat_template:
-        from realrl.workers.data_source import check_chat_template
-
-        check_chat_template(config.dataset.apply_chat_template, plan.spec.models)
-
-
-def check_optimizer_backends(plan: LaunchPlan) -> None:
-    """A local run's workers compute on this machine: `<role>.optimizer.backend=megatron`
-    without a usable GPU is refused here, before any process starts (a worker refuses it
-    too, for launches elsewhere)."""
-    specs = [spec for spec in plan.spec.models.values() if spec.config is not None]
-    if not any(spec.megatron_without_cuda("cpu") for spec in specs):
-        return
-    device_type = "cpu"
-    if may_have_gpus():
-        import torch
-
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    problems = [spec.megatron_without_cuda(device_type) for spec in specs]
-    if any(problems):
-        raise ConfigError([problem for problem in problems if problem])
 
 
 def prepare_run_dir(config: BaseExperimentConfig) -> Path:
@@ -172,18 +116,14 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int,
 def run_experiment(config: BaseExperimentConfig) -> int:
     """Run `config` to completion; returns the process exit code.
 
-    The launch plan is built here, once, after empty model paths are resolved (its checks
-    read each model's config).
+    The launch plan is built once, by `prepare_launch`, which checks everything that can be
+    checked before a process starts (as `--dry-run` does).
     """
-    environment.shared_memory_enabled()  # a bad REALRL_SHARED_MEMORY fails here, not in a worker mid-run
     if config.mode.value == "slurm":
         from realrl.launcher.slurm import run_on_slurm
 
         return run_on_slurm(config)
-    resolve_model_paths(config)
-    plan = build_plan(config)
-    check_dataset(config, plan)
-    check_optimizer_backends(plan)
+    plan = prepare_launch(config)
     prepare_run_dir(config)
     write_run_files(config, plan)
     sys.stdout.write(f"run directory: {plan.run_dir}\n")

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from realrl.api.config import BaseExperimentConfig, ConfigError, RecoverMode
-from realrl.launcher.plan import build_plan
-from realrl.launcher.run import free_port, prepare_run_dir, resolve_model_paths, write_run_files
+from realrl.launcher.preflight import prepare_launch
+from realrl.launcher.run import free_port, prepare_run_dir, write_run_files
+from realrl.launcher.slurm_checks import sbatch_fix
 from realrl.launcher.slurm_script import (
     SlurmJob,
     master_srun,
@@ -100,8 +101,11 @@ def _slurm(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 
 def submit(script_path: Path) -> str:
-    """`sbatch --parsable SCRIPT`; returns the job id."""
-    output = _slurm(["sbatch", "--parsable", str(script_path)]).stdout.strip()
+    """`sbatch --parsable SCRIPT`; returns the job id. A refusal names the fix."""
+    try:
+        output = _slurm(["sbatch", "--parsable", str(script_path)]).stdout.strip()
+    except SlurmError as error:
+        raise SlurmError(f"{error}\n{sbatch_fix(str(error))}") from None
     return output.split(";")[0]  # "<id>" or "<id>;<cluster>"
 
 
@@ -260,11 +264,7 @@ def _run_one_attempt(config: BaseExperimentConfig, job: SlurmJob) -> tuple[str, 
 
 def run_on_slurm(config: BaseExperimentConfig) -> int:
     """Run `config` as a SLURM job (resubmitting per `recover_mode`); returns the exit code."""
-    problems = slurm_problems(config)
-    if problems:
-        raise ConfigError(problems)
-    resolve_model_paths(config)
-    plan = build_plan(config)
+    plan = prepare_launch(config)
     prepare_run_dir(config)
     run_plan = write_run_files(config, plan)
     sys.stdout.write(f"run directory: {plan.run_dir}\n")

@@ -35,7 +35,7 @@ from pathlib import Path
 from realrl.api import environment
 from realrl.api.config import BaseExperimentConfig
 
-GPU_REQUEST_KINDS = ("gres", "gpus", "none")
+GPU_REQUEST_KINDS = ("auto", "gres", "gpus", "none")
 PLAN_DELIMITER = "REALRL_PLAN_JSON"
 SECRET_PLACEHOLDER = "<64 hex digits: the run secret, written at submission>"
 
@@ -92,7 +92,8 @@ def sbatch_options(config: BaseExperimentConfig) -> list[str]:
         options.append(f"--cpus-per-task={slurm.cpus_per_task}")
     if slurm.mem_per_task_mb is not None:
         options.append(f"--mem={slurm.mem_per_task_mb * devices}M")
-    if slurm.gpu_request == "gres":
+    # The launcher resolves auto from sinfo (`slurm_checks`); left unresolved it is gres.
+    if slurm.gpu_request in ("gres", "auto"):
         options.append(f"--gres=gpu:{devices}")
     elif slurm.gpu_request == "gpus":
         options.append(f"--gpus-per-node={devices}")

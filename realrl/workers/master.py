@@ -46,6 +46,7 @@ class StepResult:
     timing: dict[str, float] = field(default_factory=dict)  # seconds per MFC and transfer
     compute: dict[str, float] = field(default_factory=dict)  # worker-side seconds per MFC
     generated_by: dict[str, int] = field(default_factory=dict)  # role -> weights version
+    step: int = 0  # 1-based step number, sent with each MFC request (workers' error messages)
 
 
 class Master:
@@ -64,14 +65,17 @@ class Master:
     # ------------------------------------------------------------------ one step
 
     async def run_step(self, batch: SequenceSample,
-                       more_prompts: Callable[[], SequenceSample] | None = None) -> StepResult:
+                       more_prompts: Callable[[], SequenceSample] | None = None,
+                       step: int = 0) -> StepResult:
         """Run the whole graph on `batch` (see `_run_part` for the rollout filter)."""
-        return await self._run_part([mfc.name for mfc in self.plan.mfcs], batch, more_prompts)
+        return await self._run_part([mfc.name for mfc in self.plan.mfcs], batch, more_prompts,
+                                    step)
 
     async def run_rollout(self, batch: SequenceSample,
-                          more_prompts: Callable[[], SequenceSample] | None = None) -> StepResult:
+                          more_prompts: Callable[[], SequenceSample] | None = None,
+                          step: int = 0) -> StepResult:
         """The first half of a pipelined step: every MFC except the train ones."""
-        return await self._run_part(self.plan.rollout_mfcs(), batch, more_prompts)
+        return await self._run_part(self.plan.rollout_mfcs(), batch, more_prompts, step)
 
     async def run_training(self, result: StepResult) -> None:
         """The second half of a pipelined step: the train MFCs, on a finished rollout."""
@@ -107,25 +111,26 @@ class Master:
                                    release_locks=True)))
 
     async def _run_part(self, names: list[str], batch: SequenceSample,
-                        more_prompts: Callable[[], SequenceSample] | None) -> StepResult:
+                        more_prompts: Callable[[], SequenceSample] | None,
+                        step: int) -> StepResult:
         """Run `names` on `batch`. With a rollout filter, the filter's MFC and its ancestors run
         first (again on `more_prompts()` when dynamic sampling dropped too many prompts), then
         the rest of `names`."""
         rollout_filter = self.plan.rollout_filter
         if rollout_filter is None:
-            result = StepResult(data=batch)
+            result = StepResult(data=batch, step=step)
             await self._run_mfcs(names, result)
             return result
         rollout = self._ancestors_and_self(rollout_filter.after_mfc)
-        result = await self._rollout(batch, rollout, rollout_filter, more_prompts)
+        result = await self._rollout(batch, rollout, rollout_filter, more_prompts, step)
         await self._run_mfcs([name for name in names if name not in rollout], result)
         return result
 
-    async def _rollout(self, batch, names, rollout_filter, more_prompts) -> StepResult:
+    async def _rollout(self, batch, names, rollout_filter, more_prompts, step) -> StepResult:
         target, kept, rounds = batch.bs, None, 0
         while True:
             rounds += 1
-            result = StepResult(data=batch)
+            result = StepResult(data=batch, step=step)
             await self._run_mfcs(names, result)
             filtered, stats = apply_rollout_filter(result.data, rollout_filter)
             if filtered is not None and kept is not None:
@@ -332,7 +337,8 @@ class Master:
         for dp_rank, part in enumerate(parts):
             meta, tensors = part.to_wire()
             for rank in allocation.ranks_of_dp_rank(dp_rank):
-                header = {"mfc": mfc.name, "data": meta} | ({"ahead": True} if ahead else {})
+                header = ({"mfc": mfc.name, "data": meta, "step": result.step}
+                          | ({"ahead": True} if ahead else {}))
                 requests.append(self._request(rank, Message("mfc", header, tensors)))
                 heads.append(rank in allocation.dp_head_ranks())
         replies = await asyncio.gather(*requests)

@@ -105,7 +105,8 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) ->
         else:
             for step in steps:
                 started = time.perf_counter()
-                result = await master.run_step(data.next_batch(), more_prompts=data.next_batch)
+                result = await master.run_step(data.next_batch(), more_prompts=data.next_batch,
+                                               step=step + 1)
                 await end_of_step(step, result, time.perf_counter() - started)
     finally:
         heap.close()
@@ -133,20 +134,21 @@ async def _pipelined_steps(master: Master, data: DataSource, steps: range,
     checkpoint, so the data position a checkpoint records is exact and a resumed run goes on
     from there.
     """
-    def start_rollout() -> asyncio.Task:
-        return asyncio.create_task(master.run_rollout(data.next_batch(), data.next_batch))
+    def start_rollout(step: int) -> asyncio.Task:  # `step`: 0-based, as in `steps`
+        return asyncio.create_task(master.run_rollout(data.next_batch(), data.next_batch,
+                                                      step=step + 1))
 
     pending: asyncio.Task | None = None
     try:
         for step in steps:
             started = time.perf_counter()
             if pending is None:  # the first step, and the first after a checkpoint
-                pending = start_rollout()
+                pending = start_rollout(step)
             result = await pending
             rollout_wait_s = time.perf_counter() - started
             await master.refresh(master.plan.rollout_mfcs(), result)
             ahead = step + 1 < steps.stop and not saves_after(master.plan.base, step + 1)
-            pending = start_rollout() if ahead else None
+            pending = start_rollout(step + 1) if ahead else None
             await master.run_training(result)
             await master.drain()  # the refresh ended long ago; its timing belongs to this step
             await end_of_step(step, result, time.perf_counter() - started, rollout_wait_s)

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from realrl.api import environment
+from realrl.api.config import NanPolicy
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, MFCKind, OffloadHook
 from realrl.api.experiment import ModelKind
-from realrl.backends.torch_engine import ParallelContext, TorchEngine
+from realrl.backends.torch_engine import NonFiniteError, ParallelContext, TorchEngine
 from realrl.interfaces.registry import make_interface
 from realrl.models.checkpoint import checkpoint_eos_token_ids
 from realrl.models.tokenizer import load_tokenizer
@@ -103,6 +104,7 @@ class ModelWorker:
             engine = load_engine(spec, parallel, trains=trains,
                                  total_optimizer_steps=self.plan.base.total_train_steps * steps_per_call,
                                  seed=self.plan.base.seed * 1000 + replica_rank)
+            engine.nan_policy = self.plan.base.nan_policy
             # A bf16 EMA target blends into fp32 masters of its own (`TorchEngine.ema_master`).
             ema_target = (layout == self.plan.owner_layout(layout.role)
                           and layout.role in {hook.target_role for _, hook in self.plan.ema_hooks()}
@@ -172,7 +174,16 @@ class ModelWorker:
         torch_engine = engine if isinstance(engine, TorchEngine) else None
         self.memory.start(torch_engine)
         started = time.perf_counter()
-        result = method(engine, data, mfc.microbatch)
+        skipped_before = torch_engine.skipped_steps if torch_engine else 0
+        where = (f"step {message.header.get('step', '?')}, MFC {mfc.name}, role "
+                 f"{mfc.model_role}, rank {self.rank}")
+        try:
+            result = method(engine, data, mfc.microbatch)
+        except NonFiniteError as error:
+            raise NonFiniteError(f"{where}: {error}") from None
+        if mfc.kind == MFCKind.train_step and torch_engine is not None:
+            result.stats["skipped_steps"] = torch_engine.skipped_steps - skipped_before
+        self._check_outputs(result.data, where)
         compute_s = time.perf_counter() - started
         peak_gb = self.memory.stop(mfc.name, mfc.kind == MFCKind.generate, torch_engine)
         if any(isinstance(hook, OffloadHook) for hook in mfc.post_hooks):
@@ -183,6 +194,21 @@ class ModelWorker:
         output = result.data.rename(mfc.output_key_remap) if mfc.output_key_remap else result.data
         meta, tensors = output.to_wire()
         return message.reply(header | {"data": meta}, tensors)
+
+    def _check_outputs(self, data: SequenceSample | None, where: str) -> None:
+        """A NaN or inf in an MFC's output (rewards, values, log-probs) is reported where it
+        appears: `nan_policy=stop` raises, `skip` warns (training on it then skips its step)."""
+        for key, tensor in (data.data.items() if data is not None else ()):
+            if not torch.is_floating_point(tensor):
+                continue
+            bad = (~torch.isfinite(tensor)).nonzero().flatten()
+            if bad.numel() == 0:
+                continue
+            problem = (f"{where}: output `{key}` holds {bad.numel()} NaN or inf value(s) of "
+                       f"{tensor.numel()} (first at index {int(bad[0])})")
+            if self.plan.base.nan_policy != NanPolicy.skip:
+                raise NonFiniteError(f"{problem}; nan_policy=stop")
+            logger.warning("%s; nan_policy=skip: training on it skips its optimizer step", problem)
 
     def _transfer(self, message: Message) -> Message:
         source = LayoutKey(**_layout_fields(message.header["source"]))

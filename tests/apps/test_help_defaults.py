@@ -16,7 +16,7 @@ from realrl.api.config import iter_fields, resolve_config
 from realrl.api.experiment import FRESH_MODEL_PATH_HELP, WARM_START_PATH_HELP, ModelRoleConfig
 from realrl.api.registry import get_experiment, list_experiments
 from realrl.apps.quickstart import main
-from realrl.launcher.run import resolve_model_paths
+from realrl.launcher.preflight import resolve_model_paths
 from realrl.launcher.warm_start import PACKAGED_ACTOR
 
 EXPERIMENTS = [entry.name for entry in list_experiments()]
@@ -26,6 +26,8 @@ EXPERIMENTS = [entry.name for entry in list_experiments()]
 RESOLVED_AT_LAUNCH = {
     "experiment_name",  # "" = the registered experiment's name
     "n_devices_per_node",  # 0 = detect this machine's GPUs or cores
+    # null = from the model's context (`realrl.launcher.preflight.context_problems`)
+    "dataset.max_prompt_len", "dataset.max_seq_len",
 }
 HELP_LINE = re.compile(r"^  (?P<key>\S+) : .* = (?P<default>.*)$")
 
@@ -60,7 +62,8 @@ def _lookup(values: dict, key: str):
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_help_shows_the_defaults_a_dry_run_resolves(experiment):
+def test_help_shows_the_defaults_a_dry_run_resolves(experiment, tmp_path, monkeypatch):
+    monkeypatch.setenv(environment.CACHE, str(tmp_path))  # where a fresh model is written
     shown = _help_defaults(experiment)
     entry = get_experiment(experiment)
     assert set(shown) == {info.key for info in iter_fields(entry.config_class)}
@@ -70,10 +73,13 @@ def test_help_shows_the_defaults_a_dry_run_resolves(experiment):
     inherited = {key for key, default in shown.items() if key.endswith(".dtype") and default is None}
     assert inherited, f"{experiment} has no model role with an inherited dtype"
     assert {_lookup(resolved, key) for key in inherited} == {shown["dtype"]}
+    # An empty `<role>.path` resolves to what it loads (the next test checks what that is).
+    model_paths = {key for key in shown if key.endswith(".path") and key != "dataset.path"}
     wrong = {
         key: (default, _lookup(resolved, key))
         for key, default in shown.items()
-        if key not in RESOLVED_AT_LAUNCH | inherited and default != _lookup(resolved, key)
+        if key not in RESOLVED_AT_LAUNCH | inherited | model_paths
+        and default != _lookup(resolved, key)
     }
     assert not wrong, f"{experiment}: key: (--help default, --dry-run value): {wrong}"
 

@@ -83,10 +83,11 @@ def test_the_launcher_removes_the_core_share_file_and_makes_none_when_off(tmp_pa
         raise Stopped
 
     monkeypatch.setattr(run, "ProcessSupervisor", supervisor_that_stops)
-    monkeypatch.setattr(run, "check_dataset", lambda config, plan: None)
     for extra, expected in (([], 1), (["share_idle_cores=false"], 0)):
         made.clear()
-        config = _config(tmp_path / str(expected), 2, extra)
+        # The launcher's checks run first: a real (the built-in) model, workers on any machine.
+        config = _config(tmp_path / str(expected), 2,
+                         ["actor.path=''", "allow_oversubscribe=true", *extra])
         with pytest.raises(Stopped):
             run.run_experiment(config)
         assert len(set(made)) == expected

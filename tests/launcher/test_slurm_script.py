@@ -139,9 +139,13 @@ def test_conflicting_or_unknown_slurm_keys_are_reported_together(tmp_path):
 
 
 def test_dry_run_prints_script_and_srun_commands_and_submits_nothing(tmp_path):
+    # A machine without SLURM's commands: the dry run cannot ask a cluster (sinfo, `sbatch
+    # --test-only`; `test_slurm_checks.py` does), so it prints the script for GPU nodes.
+    without_slurm = {**os.environ, "PATH": os.path.dirname(sys.executable)}
     result = subprocess.run(
         [sys.executable, "-m", "realrl.apps.quickstart", "sft", "--dry-run", *FOUR_BY_EIGHT,
-         f"output_root={tmp_path}"], capture_output=True, text=True, timeout=120)
+         f"output_root={tmp_path}"], capture_output=True, text=True, timeout=120,
+        env=without_slurm)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "#SBATCH --nodes=4" in out and "#SBATCH --gres=gpu:8" in out
