@@ -21,6 +21,8 @@ call's peak and its growth over what was live at its start (weights, optimizer s
     .venv/bin/python benchmarks/bench_lm_head_memory.py --device cuda --dtype bfloat16
     # the default small model (vocab 55): step time before/after
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lm_head_memory.py --preset small
+    # time and memory against the chunk size (logits per chunk; default `realrl.algo.layout`'s)
+    .venv/bin/python benchmarks/bench_lm_head_memory.py --device cuda --chunk-elements 67108864
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-seqs", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1, help="Fresh processes per measurement.")
+    parser.add_argument("--chunk-elements", type=int, default=None,
+                        help="Override realrl.algo.layout's logits per chunk (both paths).")
     parser.add_argument("--output", default=None, help="Also write the JSON here.")
     parser.add_argument("--measure", nargs=2, metavar=("PATH", "CALL"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -96,8 +100,11 @@ def measure(args: argparse.Namespace) -> dict:
 
     from realrl.workers.memory_watch import PeakMemory
 
-    torch.set_num_threads(torch.get_num_threads() if args.device == "cuda" else 1)
     path, call = args.measure
+    if args.chunk_elements:
+        from realrl.algo import layout
+
+        layout._LOGIT_CHUNK_ELEMENTS = args.chunk_elements
     engine = build_engine(args)
     module, device = engine.module, torch.device(args.device)
     tokens = args.num_seqs * args.seq_len
