@@ -57,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1, help="Fresh processes per measurement.")
     parser.add_argument("--chunk-elements", type=int, default=None,
-                        help="Override realrl.algo.layout's logits per chunk (both paths).")
+                        help="Logits per chunk, in place of realrl.algo.layout's rule (both "
+                        "paths; no minimum of rows).")
     parser.add_argument("--output", default=None, help="Also write the JSON here.")
     parser.add_argument("--measure", nargs=2, metavar=("PATH", "CALL"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -105,6 +106,7 @@ def measure(args: argparse.Namespace) -> dict:
         from realrl.algo import layout
 
         layout._LOGIT_CHUNK_ELEMENTS = args.chunk_elements
+        layout._MIN_CHUNK_ROWS = layout._MIN_CHUNK_ROWS_CUDA = 1
     engine = build_engine(args)
     module, device = engine.module, torch.device(args.device)
     tokens = args.num_seqs * args.seq_len

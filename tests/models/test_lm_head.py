@@ -25,6 +25,12 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 LENGTHS = [7, 1, 19, 12, 3]
 
 
+def chunk_rows(monkeypatch, rows: int, vocab_size: int = 96) -> None:
+    """Chunks of `rows` rows (the default rule would take these tiny batches in one chunk)."""
+    monkeypatch.setattr(layout, "_LOGIT_CHUNK_ELEMENTS", rows * vocab_size)
+    monkeypatch.setattr(layout, "_MIN_CHUNK_ROWS", 1)
+
+
 def tiny_model(tied: bool, vocab_size: int = 96) -> Transformer:
     torch.manual_seed(0)
     config = ModelConfig(
@@ -61,7 +67,7 @@ def loss_and_gradients(model, logprobs, entropy, entropy_weight):
 def test_fused_head_matches_unchunked_logits_in_values_and_every_gradient(
     monkeypatch, tied, temperature, entropy_weight
 ):
-    monkeypatch.setattr(layout, "_LOGIT_CHUNK_ELEMENTS", 5 * 96)  # 5 rows: 8 chunks of 37 rows
+    chunk_rows(monkeypatch, 5)  # 8 chunks of the 37 rows
     model = tiny_model(tied)
     _, packed, cu_seqlens = random_packed_batch(LENGTHS, 96, seed=3)
 
@@ -85,7 +91,7 @@ def test_fused_head_matches_unchunked_logits_in_values_and_every_gradient(
 
 
 def test_log_probs_alone_equal_those_read_with_the_entropy(monkeypatch):
-    monkeypatch.setattr(layout, "_LOGIT_CHUNK_ELEMENTS", 4 * 96)
+    chunk_rows(monkeypatch, 4)
     model = tiny_model(tied=False)
     _, packed, cu_seqlens = random_packed_batch(LENGTHS, 96, seed=4)
     with torch.no_grad():
@@ -165,7 +171,7 @@ def test_training_saves_no_activation_that_grows_with_the_vocabulary():
 def test_bf16_weights_give_fp32_log_probs_within_bf16_logit_rounding(monkeypatch):
     """A bf16 head computes bf16 logits (as `F.linear` does) and upcasts each chunk: the result
     equals the unfused layout functions on the whole bf16 logits to fp32 rounding."""
-    monkeypatch.setattr(layout, "_LOGIT_CHUNK_ELEMENTS", 6 * 96)
+    chunk_rows(monkeypatch, 6)
     model = tiny_model(tied=False).to(torch.bfloat16)
     _, packed, cu_seqlens = random_packed_batch(LENGTHS, 96, seed=7)
     hidden = model(packed, cu_seqlens, apply_lm_head=False).detach().requires_grad_()
@@ -181,3 +187,24 @@ def test_bf16_weights_give_fp32_log_probs_within_bf16_logit_rounding(monkeypatch
     torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(hidden.grad, reference_hidden.grad, rtol=0, atol=2**-8)
     torch.testing.assert_close(weight.grad, reference_weight.grad, rtol=2**-7, atol=2**-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_fused_head_in_512_row_chunks_matches_whole_logits():
+    """On CUDA a chunk holds at least 512 rows (`realrl.algo.layout`); 1200 rows of a 96-token
+    vocabulary take 3 chunks. bf16 weights: the same bf16 logits as `F.linear`, fp32 softmax."""
+    model = tiny_model(tied=True).to("cuda", torch.bfloat16)
+    packed = torch.randint(0, 96, (1204,), generator=torch.Generator().manual_seed(8)).cuda()
+    cu_seqlens = torch.tensor([0, 301, 602, 903, 1204], dtype=torch.int32, device="cuda")
+    assert len(layout.logit_row_chunks(layout.prediction_rows(cu_seqlens), 96)) == 3
+    with torch.no_grad():
+        hidden = model(packed, cu_seqlens, apply_lm_head=False)
+        logprobs, entropy = model.shifted_logprobs_and_entropy(hidden, packed, cu_seqlens)
+        logits = model(packed, cu_seqlens)  # [tokens, vocab] bf16
+    # cuBLAS may round a bf16 logit differently for another number of rows: one bf16 spacing
+    # (2^-6 below 4) per logit moves a log-prob or an entropy by at most two.
+    tolerance = dict(rtol=0, atol=2**-5)
+    expected = layout.packed_shifted_logprobs(logits, packed, cu_seqlens)
+    torch.testing.assert_close(logprobs, expected, **tolerance)
+    torch.testing.assert_close(entropy, layout.packed_entropy(logits, cu_seqlens), **tolerance)

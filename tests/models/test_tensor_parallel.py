@@ -154,7 +154,7 @@ def global_layout_does_not_matter(rank: int, group) -> float:
 def _worker(rank: int, init_file: str, result_queue) -> None:
     torch.set_num_threads(1)
     # 3 rows of a 32-wide vocabulary slice per chunk: the 13 rows take 5 rounds of all-reduces.
-    layout._LOGIT_CHUNK_ELEMENTS = 3 * SHAPE["vocab_size"] // 2
+    layout._LOGIT_CHUNK_ELEMENTS, layout._MIN_CHUNK_ROWS = 3 * SHAPE["vocab_size"] // 2, 1
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         from megatron.core import parallel_state

@@ -91,11 +91,12 @@ def _train_call(watch: MemoryWatch, engine: TorchEngine, max_tokens: int) -> flo
 
 
 def test_a_call_near_the_limit_logs_a_token_budget_that_fits(monkeypatch, caplog):
-    """The [tokens, vocab] logits and their gradient dominate this model's memory, as they do
-    a real LM's: a budget from the measured bytes per token brings the peak under the limit.
-    Log-probs are computed in chunks of this many rows' logits; a real vocabulary (150k)
-    makes them ~110 rows, a small fixed part of a micro-batch's memory, as here."""
+    """The [tokens, vocab] logits and their gradient dominate this call's memory (its loss
+    materialises them on purpose): a budget from the measured bytes per token brings the peak
+    under the limit. Log-probs are computed in chunks of 16 rows' logits, a small fixed part of
+    a micro-batch's memory."""
     monkeypatch.setattr(layout, "_LOGIT_CHUNK_ELEMENTS", 16 * VOCAB_SIZE)
+    monkeypatch.setattr(layout, "_MIN_CHUNK_ROWS", 1)
     engine = _engine()
     probe = MemoryWatch(torch.device("cpu"), 1, limit_bytes=2**50)
     _train_call(probe, engine, BATCH_TOKENS)  # warm-up: optimizer state, first-touch pages
