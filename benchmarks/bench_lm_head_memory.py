@@ -19,6 +19,8 @@ call's peak and its growth over what was live at its start (weights, optimizer s
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lm_head_memory.py --device cpu
     .venv/bin/python benchmarks/bench_lm_head_memory.py --device cuda --dtype bfloat16
+    .venv/bin/python benchmarks/bench_lm_head_memory.py --device cuda --dtype bfloat16 \
+        --preset qwen2.5-0.5b --num-seqs 64 --seq-len 140
     # the default small model (vocab 55): step time before/after
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lm_head_memory.py --preset small
     # time and memory against the chunk size (logits per chunk; default `realrl.algo.layout`'s)
@@ -40,10 +42,16 @@ PRESETS = {
     # The issue's case: 55.2M parameters (untied 32k vocabulary: 32.8M of them in the head and
     # the embedding).
     "issue": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536,
-                  num_hidden_layers=7, num_attention_heads=8, num_key_value_heads=4),
+                  num_hidden_layers=7, num_attention_heads=8, num_key_value_heads=4,
+                  tie_word_embeddings=False),
     # bench_setup.py's "small" default model with realrl's character tokenizer (vocab 55).
     "small": dict(vocab_size=55, hidden_size=256, intermediate_size=768,
-                  num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2),
+                  num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=False),
+    # Qwen2.5-0.5B's shape (bench_setup.py), tied 151,936-token vocabulary: for a GPU.
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         tie_word_embeddings=True, qkv_bias=True, model_type="qwen2"),
 }
 
 
@@ -76,7 +84,7 @@ def build_engine(args: argparse.Namespace):
     shape["vocab_size"] = args.vocab_size or shape["vocab_size"]
     torch.manual_seed(0)
     with torch.device(args.device):
-        module = Transformer(ModelConfig(**shape, tie_word_embeddings=False))
+        module = Transformer(ModelConfig(**shape))
     module = module.to(getattr(torch, args.dtype))
     optimizer = OptimizerConfig(lr=1e-5) if args.measure[1] == "train" else None
     return TorchEngine(module, None, ParallelContext(), optimizer, 10)

@@ -228,7 +228,9 @@ def packed_shifted_logprobs(
     ``logits [total_tokens, vocab]`` (any float dtype) are the model outputs for
     ``packed_input_ids [total_tokens]``; entry ``j`` of a sequence is
     ``log softmax(logits[j] / temperature)[input_ids[j + 1]]``. Differentiable w.r.t. logits;
-    memory stays O(chunk * vocab) beyond the logits and their gradient.
+    memory stays O(chunk * vocab) beyond the logits and their gradient. For logits already
+    held: the models' training and inference never form them and read log-probs off their
+    hidden states instead (`Transformer.shifted_logprobs`, `realrl.models.lm_head`).
     """
     rows = prediction_rows(cu_seqlens)
     labels = packed_input_ids[rows + 1].long()
