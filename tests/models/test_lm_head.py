@@ -108,10 +108,11 @@ def test_fused_head_rejects_logits_in_place_of_hidden_states():
         model.shifted_logprobs(model(packed, cu_seqlens), packed, cu_seqlens)
 
 
-def test_packed_log_probs_equal_a_right_padded_transformers_batch(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_packed_log_probs_equal_a_right_padded_transformers_batch(tmp_path, tied):
     """HF parity and packed vs padded at once: the fused log-probs of a packed batch equal
     transformers' log-softmax of a right-padded batch at the next tokens."""
-    hf_model = save_hf(tmp_path, "qwen2", tie_word_embeddings=False)
+    hf_model = save_hf(tmp_path, "qwen2", tie_word_embeddings=tied)
     model = load_pretrained(tmp_path)
     sequences, packed, cu_seqlens = random_packed_batch(LENGTHS, model.config.vocab_size, seed=2)
     padded = torch.zeros(len(LENGTHS), max(LENGTHS), dtype=torch.long)
