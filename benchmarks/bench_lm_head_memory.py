@@ -25,6 +25,9 @@ call's peak and its growth over what was live at its start (weights, optimizer s
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lm_head_memory.py --preset small
     # time and memory against the chunk size (logits per chunk; default `realrl.algo.layout`'s)
     .venv/bin/python benchmarks/bench_lm_head_memory.py --device cuda --chunk-elements 67108864
+    # the head alone (forward + backward of log-probs and entropy) against the chunk size:
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lm_head_memory.py --chunk-sweep \
+        --vocab-size 32000 --num-seqs 4 --seq-len 128
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Logits per chunk, in place of realrl.algo.layout's rule (both "
                         "paths; no minimum of rows).")
     parser.add_argument("--output", default=None, help="Also write the JSON here.")
+    parser.add_argument("--chunk-sweep", action="store_true",
+                        help="Time the head alone at logits per chunk 2^18..2^26 (hidden 256).")
     parser.add_argument("--measure", nargs=2, metavar=("PATH", "CALL"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -149,6 +154,46 @@ def measure(args: argparse.Namespace) -> dict:
             "parameters": sum(p.numel() for p in module.parameters())}
 
 
+def chunk_sweep(args: argparse.Namespace, passes: int = 5) -> dict:
+    """Seconds (best of `passes` alternating passes) of one forward and backward of log-probs
+    and entropy at each chunk size, fused and from whole logits."""
+    import torch
+
+    from realrl.algo import layout
+    from realrl.models.lm_head import lm_head_logprobs
+
+    vocab_size, tokens = args.vocab_size or 32000, args.num_seqs * args.seq_len
+    torch.manual_seed(0)
+    hidden = (0.5 * torch.randn(tokens, 256, device=args.device)).requires_grad_()
+    weight = (0.05 * torch.randn(vocab_size, 256, device=args.device)).requires_grad_()
+    packed = torch.randint(0, vocab_size, (tokens,), device=args.device)
+    cu_seqlens = torch.arange(0, tokens + 1, args.seq_len, device=args.device)
+
+    def fused() -> None:
+        logprobs, entropy = lm_head_logprobs(hidden, weight, packed, cu_seqlens, with_entropy=True)
+        (logprobs.sum() + 0.01 * entropy.sum()).backward()
+
+    def whole_logits() -> None:
+        logits = hidden @ weight.T
+        logprobs = layout.packed_shifted_logprobs(logits, packed, cu_seqlens)
+        (logprobs.sum() + 0.01 * layout.packed_entropy(logits, cu_seqlens).sum()).backward()
+
+    layout._MIN_CHUNK_ROWS = layout._MIN_CHUNK_ROWS_CUDA = 1
+    best: dict[str, float] = {}
+    for _ in range(passes):
+        for exponent in (18, 20, 22, 24, 26, "whole_logits"):
+            layout._LOGIT_CHUNK_ELEMENTS = 2**24 if exponent == "whole_logits" else 2**exponent
+            started = time.perf_counter()
+            whole_logits() if exponent == "whole_logits" else fused()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            name = str(exponent) if exponent == "whole_logits" else f"2^{exponent}"
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - started)
+    rows = {f"2^{e}": min(tokens, max(1, 2**e // vocab_size)) for e in (18, 20, 22, 24, 26)}
+    return {"vocab_size": vocab_size, "tokens": tokens, "hidden": 256, "best_seconds": best,
+            "rows_per_chunk": rows}
+
+
 def environment(device: str) -> dict:
     import platform
 
@@ -164,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args)))
+        return
+    if args.chunk_sweep:
+        print(json.dumps(chunk_sweep(args), indent=2))
         return
     shared = [a for a in (argv if argv is not None else sys.argv[1:])
               if a not in ("--output", args.output)]
