@@ -8,8 +8,9 @@ t2 under two implementations:
 - `own`: realrl at `--baseline-rev` (default 25a1ffb, the last commit with realrl's own
   column/row-parallel layers), extracted with `git archive` into `<work-dir>/realrl-<rev>`.
   Its LM head gathers [tokens, vocab] logits; log-probs and entropies are taken from them;
-- `megatron`: this checkout. megatron-core's layers; the head keeps each rank's vocabulary
-  slice and log-probs and entropies are reduced over the tp group.
+- `megatron`: this checkout. megatron-core's layers; log-probs and entropies are read off the
+  hidden states by the fused LM head (`realrl.models.lm_head`, each rank's vocabulary slice,
+  chunk by chunk) and reduced over the tp group.
 
 Timed per iteration (after a barrier; the slower rank counts): `train`, the PPO actor's work:
 forward, log-probs and entropies, backward; `inference`, a reference model's work: no-grad
@@ -93,17 +94,26 @@ def packed_batch(args, vocab_size: int):
     return torch.cat(sequences), cu_seqlens.int()  # [total_tokens], [num_seqs + 1]
 
 
-def log_probs_and_entropy(model, logits, packed_input_ids, cu_seqlens, with_entropy: bool):
-    """The interfaces' read-out at either revision: `Transformer.shifted_logprobs` here, the
-    `realrl.algo.layout` functions on gathered logits at the baseline."""
-    if hasattr(model, "shifted_logprobs"):
-        logprobs = model.shifted_logprobs(logits, packed_input_ids, cu_seqlens)
-        entropy = model.shifted_entropy(logits, cu_seqlens) if with_entropy else None
-    else:
-        from realrl.algo.layout import packed_entropy, packed_shifted_logprobs
+def model_output(model, packed_input_ids, cu_seqlens):
+    """The forward the interfaces run at either revision: hidden states here (the engine's
+    `apply_lm_head=False`), gathered logits at the baseline."""
+    if hasattr(model, "shifted_logprobs_and_entropy"):
+        return model(packed_input_ids, cu_seqlens, apply_lm_head=False)
+    return model(packed_input_ids, cu_seqlens)
 
-        logprobs = packed_shifted_logprobs(logits, packed_input_ids, cu_seqlens)
-        entropy = packed_entropy(logits, cu_seqlens) if with_entropy else None
+
+def log_probs_and_entropy(model, output, packed_input_ids, cu_seqlens, with_entropy: bool):
+    """The interfaces' read-out at either revision: the fused head of
+    `Transformer.shifted_logprobs(_and_entropy)` here, the `realrl.algo.layout` functions on
+    gathered logits at the baseline."""
+    if hasattr(model, "shifted_logprobs_and_entropy"):
+        if with_entropy:
+            return model.shifted_logprobs_and_entropy(output, packed_input_ids, cu_seqlens)
+        return model.shifted_logprobs(output, packed_input_ids, cu_seqlens), None
+    from realrl.algo.layout import packed_entropy, packed_shifted_logprobs
+
+    logprobs = packed_shifted_logprobs(output, packed_input_ids, cu_seqlens)
+    entropy = packed_entropy(output, cu_seqlens) if with_entropy else None
     return logprobs, entropy
 
 
@@ -137,15 +147,15 @@ def rank_main(rank: int, args, init_file: str) -> None:
 
     def train():
         model.zero_grad(set_to_none=True)
-        logits = model(packed_input_ids, cu_seqlens)
-        logprobs, entropy = log_probs_and_entropy(model, logits, packed_input_ids, cu_seqlens, True)
+        output = model_output(model, packed_input_ids, cu_seqlens)
+        logprobs, entropy = log_probs_and_entropy(model, output, packed_input_ids, cu_seqlens, True)
         (-logprobs.mean() - 0.01 * entropy.mean()).backward()
         return logprobs
 
     def inference():
         with torch.no_grad():
-            logits = model(packed_input_ids, cu_seqlens)
-            return log_probs_and_entropy(model, logits, packed_input_ids, cu_seqlens, False)[0]
+            output = model_output(model, packed_input_ids, cu_seqlens)
+            return log_probs_and_entropy(model, output, packed_input_ids, cu_seqlens, False)[0]
 
     times: dict[str, list[float]] = {"train": [], "inference": []}
     first_logprobs = inference()

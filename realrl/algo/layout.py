@@ -24,8 +24,15 @@ from __future__ import annotations
 
 import torch
 
-# Rows of logits converted to fp32 at a time: 2**24 elements is 64 MiB of fp32 per chunk.
-_LOGIT_CHUNK_ELEMENTS = 2**24
+# Rows of logits per chunk (`logit_row_chunks`): about `_LOGIT_CHUNK_ELEMENTS` logits (16 MiB of
+# fp32 per temporary, which keeps the softmax's passes in cache), but never fewer rows than the
+# device's minimum, since every chunk re-reads the whole LM head weight for its matmul
+# (`realrl.models.lm_head`) and needs enough rows for that matmul to be bound by compute: on CPU
+# ~100 rows (measured, benchmarks/README.md "Fused LM head"), on an H100 ~300 (989 bf16 TFLOP/s
+# over 3.35 TB/s, 2 bytes per weight: arithmetic intensity = rows flops per byte).
+_LOGIT_CHUNK_ELEMENTS = 2**22
+_MIN_CHUNK_ROWS = 128
+_MIN_CHUNK_ROWS_CUDA = 512
 
 
 def sequence_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -120,11 +127,13 @@ def prediction_rows(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def logit_row_chunks(rows: torch.Tensor, vocab_size: int) -> list[torch.Tensor]:
-    """``rows`` in chunks of about `_LOGIT_CHUNK_ELEMENTS` logits of width ``vocab_size``: the
-    log-prob and entropy functions convert one chunk to fp32 at a time. Equal on every rank of a
-    tensor-parallel group (same rows, same vocabulary slice width), which the vocab-parallel
-    versions (`realrl.models.megatron_layers`) need: each chunk is one round of all-reduces."""
-    rows_per_chunk = max(1, _LOGIT_CHUNK_ELEMENTS // max(vocab_size, 1))
+    """``rows`` in chunks of logits of width ``vocab_size`` (the rule above): the log-prob and
+    entropy functions, and the fused LM head (`realrl.models.lm_head`), hold one chunk's
+    ``[chunk, vocab]`` in fp32 at a time. Equal on every rank of a tensor-parallel group (same
+    rows, same vocabulary slice width), which the vocab-parallel head needs: each chunk is one
+    round of all-reduces."""
+    minimum = _MIN_CHUNK_ROWS_CUDA if rows.is_cuda else _MIN_CHUNK_ROWS
+    rows_per_chunk = max(minimum, _LOGIT_CHUNK_ELEMENTS // max(vocab_size, 1), 1)
     return list(torch.split(rows, rows_per_chunk))
 
 
@@ -219,7 +228,9 @@ def packed_shifted_logprobs(
     ``logits [total_tokens, vocab]`` (any float dtype) are the model outputs for
     ``packed_input_ids [total_tokens]``; entry ``j`` of a sequence is
     ``log softmax(logits[j] / temperature)[input_ids[j + 1]]``. Differentiable w.r.t. logits;
-    memory stays O(chunk * vocab) beyond the logits and their gradient.
+    memory stays O(chunk * vocab) beyond the logits and their gradient. For logits already
+    held: the models' training and inference never form them and read log-probs off their
+    hidden states instead (`Transformer.shifted_logprobs`, `realrl.models.lm_head`).
     """
     rows = prediction_rows(cu_seqlens)
     labels = packed_input_ids[rows + 1].long()

@@ -58,7 +58,9 @@ class ParallelContext:
     layout_group: dist.ProcessGroup | None = None
 
 
-# The model's forward as a loss sees it: (packed_input_ids, cu_seqlens) -> output.
+# The model's forward as a loss sees it: (packed_input_ids, cu_seqlens) -> output: an LM's final
+# hidden states [total_tokens, hidden] (read log-probs off them with `module.shifted_logprobs`,
+# which fuses the LM head), a critic's values [total_tokens].
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[Forward, SequenceSample], tuple[torch.Tensor, dict[str, float]]]
 
@@ -162,7 +164,7 @@ class TorchEngine:
     def forward(
         self, packed_input_ids: torch.Tensor, cu_seqlens: torch.Tensor, keep: bool = False
     ) -> torch.Tensor:
-        """The module's output, detached.
+        """The module's output without the LM head (see `Forward`), detached.
 
         With `keep` (a trainable engine) the forward runs as training runs it and keeps its
         autograd graph: the next `train_microbatches` whose loss runs the forward on the same
@@ -176,14 +178,14 @@ class TorchEngine:
         if not keep:
             self.module.eval()
             with torch.no_grad():
-                return self.module(packed_input_ids, cu_seqlens)
+                return self.module(packed_input_ids, cu_seqlens, apply_lm_head=False)
         assert self.backend is not None, "forward(keep=True) on a frozen model"
         weights = self._weights_version()
         if weights != self._kept_weights:
             self._kept, self._kept_weights = [], weights
         self.module.train()
         with torch.enable_grad():
-            output = self.module(packed_input_ids, cu_seqlens)
+            output = self.module(packed_input_ids, cu_seqlens, apply_lm_head=False)
         self._kept.append(_KeptForward(packed_input_ids, cu_seqlens, output))
         return output.detach()
 
@@ -207,7 +209,7 @@ class TorchEngine:
                 if candidate.matches(packed_input_ids, cu_seqlens):
                     reused.append(index)
                     return kept.pop(index).output
-            return self.module(packed_input_ids, cu_seqlens)
+            return self.module(packed_input_ids, cu_seqlens, apply_lm_head=False)
 
         return forward
 

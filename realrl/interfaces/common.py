@@ -148,9 +148,9 @@ def shifted_logprobs(
     def compute(part: SequenceSample) -> SequenceSample:
         packed_input_ids = part.data["packed_input_ids"].to(engine.device)  # [total_tokens]
         cu_seqlens = part.cu_seqlens("packed_input_ids").to(engine.device)  # [num_seqs + 1]
-        logits = engine.forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab (/ tp)]
+        hidden = engine.forward(packed_input_ids, cu_seqlens)  # [total_tokens, hidden]
         with torch.no_grad():
-            logprobs = engine.module.shifted_logprobs(logits, packed_input_ids, cu_seqlens)
+            logprobs = engine.module.shifted_logprobs(hidden, packed_input_ids, cu_seqlens)
         return SequenceSample.from_tensors(
             ids=part.ids,
             seqlens={output_key: shifted_seqlens(part.seqlens["packed_input_ids"])},

@@ -86,8 +86,8 @@ class DPOInterface:
         def loss_fn(forward, part: SequenceSample):
             packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
             cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
-            logits = forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab (/ tp)]
-            logprobs = engine.module.shifted_logprobs(logits, packed_input_ids, cu_seqlens)
+            hidden = forward(packed_input_ids, cu_seqlens)  # [total_tokens, hidden]
+            logprobs = engine.module.shifted_logprobs(hidden, packed_input_ids, cu_seqlens)
             prompt_lens = part.data["prompt_lens"]  # [num_pairs]
             policy_sums = response_logprob_sums(logprobs, prompt_lens, cu_seqlens)
             reference_sums = response_logprob_sums(

@@ -164,17 +164,18 @@ class PPOActorInterface:
 
     def _loss(self, model, forward, part: SequenceSample, normaliser: torch.Tensor, mode: str):
         """This micro-batch's share of the mini-batch loss, and its statistics as sums. `model`
-        reads log-probs and entropies off its logits (vocabulary slices under tensor
-        parallelism)."""
+        reads log-probs and entropies off its final hidden states, computing the LM head chunk
+        by chunk (`realrl.models.lm_head`)."""
         ppo = self.ppo
         packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
         cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
         loss_mask = part.data["loss_mask"]  # [total_tokens - num_seqs]
-        logits = forward(packed_input_ids, cu_seqlens)  # [total_tokens, vocab (/ tp)]
-        logprobs = model.shifted_logprobs(logits, packed_input_ids, cu_seqlens)
+        hidden = forward(packed_input_ids, cu_seqlens)  # [total_tokens, hidden]
+        # [total_tokens - num_seqs] each, from one pass over the logits' chunks.
+        logprobs, entropy = model.shifted_logprobs_and_entropy(hidden, packed_input_ids, cu_seqlens)
+        if ppo.entropy_coef == 0.0:
+            entropy = entropy.detach()  # only logged: its backward is skipped
         policy, behaviour = self._policy_loss(logprobs, part)
-        entropy_logits = logits if ppo.entropy_coef != 0.0 else logits.detach()
-        entropy = model.shifted_entropy(entropy_logits, cu_seqlens)  # [total_tokens - num_seqs]
         per_token = policy.per_token_loss + entropy_bonus_loss(entropy, loss_mask, ppo.entropy_coef)
         kl_loss = torch.zeros_like(logprobs)
         if ppo.use_kl_loss and "ref_logprobs" in part.keys:

@@ -26,13 +26,13 @@ from realrl.interfaces.configs import SFTConfig
 INPUT_KEYS = ("packed_input_ids", "prompt_mask")
 
 
-def answer_nll(model, module_output: torch.Tensor, part: SequenceSample):
+def answer_nll(model, hidden: torch.Tensor, part: SequenceSample):
     """Per-token negative log-likelihood ``[total_tokens - num_seqs]`` and the shifted mask of
-    answer tokens, for a micro-batch with ``packed_input_ids`` and ``prompt_mask``;
-    ``module_output`` are `model`'s logits (a vocabulary slice under tensor parallelism)."""
+    answer tokens, for a micro-batch with ``packed_input_ids`` and ``prompt_mask``; ``hidden
+    [total_tokens, hidden]`` are `model`'s final hidden states (the engine's forward)."""
     packed_input_ids = part.data["packed_input_ids"]  # [total_tokens]
     cu_seqlens = part.cu_seqlens("packed_input_ids")  # [num_seqs + 1]
-    logprobs = model.shifted_logprobs(module_output, packed_input_ids, cu_seqlens)
+    logprobs = model.shifted_logprobs(hidden, packed_input_ids, cu_seqlens)
     loss_mask = loss_mask_from_prompt_mask(part.data["prompt_mask"], cu_seqlens)
     return -logprobs, loss_mask, cu_seqlens
 

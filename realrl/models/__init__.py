@@ -1,7 +1,8 @@
 """Packed-sequence transformer (Llama / Qwen2 / Mistral families), HF checkpoints, generation.
 
 Submodules: `config` (ModelConfig), `families` (HF config and weight-name mapping),
-`transformer` (the model), `attention` (packed attention kernels), `checkpoint`
+`transformer` (the model), `attention` (packed attention kernels), `lm_head` (the LM head
+fused with the log-softmax: log-probs and entropies by chunks of rows), `checkpoint`
 (load_pretrained / save_pretrained), `generation` + `sampling` (KV-cache sampling),
 `tensor_parallel` (how tensor parallelism splits each weight: state-dict sharding),
 `megatron_layers` (the tensor-parallel layers, from megatron-core) and `tokenizer` (both

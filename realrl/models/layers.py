@@ -4,8 +4,9 @@ Every weight-holding linear or embedding layer of `Transformer` is made by a `La
 The plain factory below makes ordinary `nn.Linear` / `nn.Embedding`; the tensor-parallel
 factory (`realrl.models.megatron_layers`) makes megatron-core's column/row-parallel layers on
 an explicit process group. The model asks the factory how many ranks share a layer
-(`tp_size`) to size its local heads, and asks it to read log-probabilities and entropies off
-the logits its LM head returns (full vocabulary here, one vocabulary slice per rank there).
+(`tp_size`) to size its local heads, and reads log-probabilities and entropies off its LM head
+weight (full vocabulary here, one vocabulary slice per rank there) reduced over the factory's
+`process_group` (`realrl.models.lm_head`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import math
 from typing import Literal, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from realrl.algo.layout import packed_entropy, packed_shifted_logprobs
 from realrl.models.config import ModelConfig
 
 LinearKind = Literal["column", "row", "replicated"]
@@ -33,14 +34,15 @@ class LayerFactory(Protocol):
     `lm_head(hidden, tied_weight, gather_vocab)`; with `tied` it owns no weight and multiplies
     by `tied_weight` (the embedding matrix). None: the single-device tied head, which is
     `F.linear(hidden, embedding.weight)`.
-    `shifted_logprobs` / `shifted_entropy`: `realrl.algo.layout.packed_shifted_logprobs` /
-    `packed_entropy` of the logits the LM head returns without `gather_vocab`.
     `sequence_parallel`: the column/row-parallel layers take/return token-split activations;
     such a factory also has `scatter_sequence` / `gather_sequence` (`Transformer` calls them).
+    `process_group`: the ranks sharing the layers (None on one device); the fused LM head's
+    log-softmax reduces the vocabulary slices over it.
     """
 
     tp_size: int
     sequence_parallel: bool
+    process_group: dist.ProcessGroup | None
 
     def linear(
         self, in_features: int, out_features: int, bias: bool, kind: LinearKind
@@ -50,24 +52,13 @@ class LayerFactory(Protocol):
 
     def lm_head(self, in_features: int, vocab_size: int, tied: bool) -> nn.Module | None: ...
 
-    def shifted_logprobs(
-        self,
-        logits: torch.Tensor,
-        packed_input_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        temperature: float,
-    ) -> torch.Tensor: ...
-
-    def shifted_entropy(
-        self, logits: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float
-    ) -> torch.Tensor: ...
-
 
 class PlainLayerFactory:
     """Single-device layers; the logits hold the whole vocabulary."""
 
     tp_size = 1
     sequence_parallel = False
+    process_group = None
 
     def linear(
         self, in_features: int, out_features: int, bias: bool, kind: LinearKind
@@ -79,12 +70,6 @@ class PlainLayerFactory:
 
     def lm_head(self, in_features: int, vocab_size: int, tied: bool) -> nn.Module | None:
         return None if tied else nn.Linear(in_features, vocab_size, bias=False)
-
-    def shifted_logprobs(self, logits, packed_input_ids, cu_seqlens, temperature):
-        return packed_shifted_logprobs(logits, packed_input_ids, cu_seqlens, temperature)
-
-    def shifted_entropy(self, logits, cu_seqlens, temperature):
-        return packed_entropy(logits, cu_seqlens, temperature)
 
 
 class RMSNorm(nn.Module):

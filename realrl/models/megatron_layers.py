@@ -23,10 +23,11 @@ megatron marks every split parameter with `tensor_model_parallel=True` (and `par
 which `realrl.backends.torch_engine.sharded_parameter_ids` reads. (0.16 marks a split weight
 only when it initialises it; the factory leaves weights uninitialised and marks them itself.)
 
-The LM head returns this rank's vocabulary slice of the logits [..., vocab / tp]: training and
-inference read log-probabilities and entropies off the slices (`vocab_parallel_shifted_logprobs`,
-`vocab_parallel_entropy`, an all-reduce of a few numbers per token) instead of gathering
-[tokens, vocab] logits. Generation gathers them for sampling (`gather_vocab=True`).
+Training and inference never call the LM head: they read log-probabilities and entropies off
+the hidden states and this rank's slice of the head weight (`realrl.models.lm_head`, chunk by
+chunk, an all-reduce of a few numbers per token) instead of gathering [tokens, vocab] logits.
+The head returns this rank's vocabulary slice of the logits [..., vocab / tp]; generation
+gathers them for sampling (`gather_vocab=True`).
 
 Sequence parallelism (`TensorParallelLayerFactory(..., sequence_parallel=True)`): the column-
 and row-parallel layers get megatron's `sequence_parallel=True`, the LM head does not; the
@@ -41,9 +42,8 @@ Two parts of megatron-core 0.16.1 are deliberately not used:
   megatron's *global* tp group (wrong for realrl's groups), and
   `fused_vocab_parallel_cross_entropy(logits, target, tp_group)` casts the logits' gradient to
   bf16 whatever their dtype and subtracts the max from fp32 logits in place (the caller's
-  tensor: PPO reads entropies off the same logits). The functions below run megatron's
-  `VocabParallelCrossEntropy` steps on a fresh fp32 copy of each chunk of rows, with the
-  layout's group, and keep realrl's chunked memory bound (`realrl.algo.layout`).
+  tensor: PPO reads entropies off the same logits). `realrl.models.lm_head` runs the same
+  steps with the layout's group on one chunk of rows at a time, fused with the head's matmul.
 
 Importing megatron.core costs ~3 s of CPU per process (it pulls in torch._inductor and
 wandb), so only a process that builds a tensor-parallel model imports this module
@@ -59,7 +59,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from realrl.algo.layout import logit_row_chunks, prediction_rows
 from realrl.models.layers import LinearKind
 
 # Printed at import and on the first backward of each process; they concern CUDA-only fusions
@@ -70,8 +69,6 @@ logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
 
 from megatron.core import tensor_parallel as megatron_tp  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
-from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy  # noqa: E402
-from megatron.core.tensor_parallel.utils import VocabUtility  # noqa: E402
 
 from realrl.models import sequence_parallel as sequence_split  # noqa: E402
 
@@ -149,7 +146,7 @@ def gather_vocabulary(logits: torch.Tensor, group: dist.ProcessGroup) -> torch.T
     vocabulary order). Not differentiable: for sampling only."""
     if logits.requires_grad:
         raise RuntimeError(
-            "gathering vocab-parallel logits drops their gradient; train on the slices "
+            "gathering vocab-parallel logits drops their gradient; train on the hidden states "
             "(Transformer.shifted_logprobs) or run the head under torch.no_grad()"
         )
     pieces = [torch.empty_like(logits) for _ in range(group.size())]
@@ -233,156 +230,3 @@ class TensorParallelLayerFactory:
     def gather_sequence(self, hidden: torch.Tensor, tokens: int) -> torch.Tensor:
         """`realrl.models.sequence_parallel.gather_sequence` on this layout's tp group."""
         return sequence_split.gather_sequence(hidden, tokens, self.process_group)
-
-    def shifted_logprobs(self, logits, packed_input_ids, cu_seqlens, temperature):
-        return vocab_parallel_shifted_logprobs(
-            logits, packed_input_ids, cu_seqlens, self.process_group, temperature
-        )
-
-    def shifted_entropy(self, logits, cu_seqlens, temperature):
-        return vocab_parallel_entropy(logits, cu_seqlens, self.process_group, temperature)
-
-
-def vocab_parallel_shifted_logprobs(
-    logits: torch.Tensor,  # [total_tokens, vocab / tp]: this rank's vocabulary slice
-    packed_input_ids: torch.Tensor,  # [total_tokens]
-    cu_seqlens: torch.Tensor,  # [num_seqs + 1]
-    group: dist.ProcessGroup,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """`realrl.algo.layout.packed_shifted_logprobs` of vocab-parallel logits: fp32
-    [total_tokens - num_seqs], equal on every rank of `group`. Every rank must call it with
-    the same tokens. Differentiable w.r.t. the slice; the backward needs no communication."""
-    rows = prediction_rows(cu_seqlens)
-    labels = packed_input_ids[rows + 1].long()
-    return _VocabParallelShiftedLogprobs.apply(logits, rows, labels, float(temperature), group)
-
-
-def vocab_parallel_entropy(
-    logits: torch.Tensor,  # [total_tokens, vocab / tp]
-    cu_seqlens: torch.Tensor,  # [num_seqs + 1]
-    group: dist.ProcessGroup,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """`realrl.algo.layout.packed_entropy` of vocab-parallel logits: fp32
-    [total_tokens - num_seqs] (nats), equal on every rank of `group`."""
-    return _VocabParallelEntropy.apply(
-        logits, prediction_rows(cu_seqlens), float(temperature), group
-    )
-
-
-class _VocabParallelShiftedLogprobs(torch.autograd.Function):
-    """log softmax(z)[label] with z = logits / T split over the vocabulary, chunk by chunk.
-
-    Forward, per chunk, megatron's steps: the global max (all-reduce MAX), then the label's
-    logit (found on one rank, zero on the others) and the sum of exp(z - max), summed over the
-    group in one all-reduce. It keeps the per-row log-sum-exp; the backward recomputes this
-    rank's softmax slice and megatron's gradient, softmax - onehot(label), without
-    communication (the LM head's backward all-reduces the hidden states' gradient).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, rows, labels, temperature, group):  # type: ignore[override]
-        vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(
-            logits.shape[-1], group.rank(), group.size()
-        )
-        logprobs = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
-        log_normalisers = torch.empty_like(logprobs)
-        label_masks, local_labels = [], []
-        start = 0
-        for chunk in logit_row_chunks(rows, logits.shape[-1]):
-            end = start + chunk.numel()
-            # index_select copies: megatron's steps work in place on their input.
-            scaled = logits.index_select(0, chunk).float() / temperature  # [chunk, vocab / tp]
-            scaled, row_max = VocabParallelCrossEntropy.calculate_logits_max(scaled)
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            not_here, local_label, label_logit, sum_exp, _ = (
-                VocabParallelCrossEntropy.calculate_predicted_logits(
-                    scaled, labels[start:end], row_max, vocab_start, vocab_end
-                )
-            )
-            sums = torch.cat((label_logit, sum_exp))  # [2 * chunk]: one all-reduce
-            dist.all_reduce(sums, group=group)
-            label_logit, sum_exp = sums.split(chunk.numel())
-            logprobs[start:end] = label_logit - sum_exp.log()  # both relative to the max
-            log_normalisers[start:end] = row_max + sum_exp.log()
-            label_masks.append(not_here)
-            local_labels.append(local_label)
-            start = end
-        ctx.save_for_backward(
-            logits, rows, log_normalisers, torch.cat(label_masks), torch.cat(local_labels)
-        )
-        ctx.temperature = temperature
-        return logprobs
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        logits, rows, log_normalisers, not_here, local_labels = ctx.saved_tensors
-        grad_logits = torch.zeros_like(logits)
-        start = 0
-        for chunk in logit_row_chunks(rows, logits.shape[-1]):
-            end = start + chunk.numel()
-            scaled = logits.index_select(0, chunk).float() / ctx.temperature
-            softmax = torch.exp(scaled - log_normalisers[start:end, None])  # [chunk, vocab / tp]
-            grad_2d, arange_1d, label_here, grad_input = (
-                VocabParallelCrossEntropy.prepare_gradient_calculation_operands(
-                    softmax, not_here[start:end]
-                )
-            )
-            # megatron differentiates -log p: the negated incoming gradient gives d log p.
-            grad_chunk = VocabParallelCrossEntropy.calculate_gradients(
-                grad_2d,
-                arange_1d,
-                local_labels[start:end],
-                label_here,
-                grad_input,
-                -grad_out[start:end],
-            )
-            grad_logits[chunk] = (grad_chunk / ctx.temperature).to(logits.dtype)
-            start = end
-        return grad_logits, None, None, None, None
-
-
-class _VocabParallelEntropy(torch.autograd.Function):
-    """Entropy of softmax(z), z = logits / T split over the vocabulary (megatron has none).
-
-    H = lse(z) - sum_k p_k z_k; per chunk the max is all-reduced, then sum_k exp(z_k - max) and
-    sum_k exp(z_k - max) z_k in one all-reduce. dH/dz_k = -p_k (z_k - E_p[z]) with
-    E_p[z] = lse - H needs only this rank's slice.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, rows, temperature, group):  # type: ignore[override]
-        entropy = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
-        log_normalisers = torch.empty_like(entropy)
-        start = 0
-        for chunk in logit_row_chunks(rows, logits.shape[-1]):
-            end = start + chunk.numel()
-            scaled = logits.index_select(0, chunk).float() / temperature  # [chunk, vocab / tp]
-            row_max = scaled.max(dim=-1).values
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            exp = torch.exp(scaled - row_max[:, None])
-            sums = torch.cat((exp.sum(-1), (exp * scaled).sum(-1)))  # [2 * chunk]
-            dist.all_reduce(sums, group=group)
-            sum_exp, sum_exp_logit = sums.split(chunk.numel())
-            log_normalisers[start:end] = row_max + sum_exp.log()
-            entropy[start:end] = log_normalisers[start:end] - sum_exp_logit / sum_exp
-            start = end
-        ctx.save_for_backward(logits, rows, log_normalisers, entropy)
-        ctx.temperature = temperature
-        return entropy
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        logits, rows, log_normalisers, entropy = ctx.saved_tensors
-        grad_logits = torch.zeros_like(logits)
-        start = 0
-        for chunk in logit_row_chunks(rows, logits.shape[-1]):
-            end = start + chunk.numel()
-            scaled = logits.index_select(0, chunk).float() / ctx.temperature
-            probs = torch.exp(scaled - log_normalisers[start:end, None])
-            expected = (log_normalisers[start:end] - entropy[start:end])[:, None]
-            grad_chunk = -grad_out[start:end, None] * probs * (scaled - expected)
-            grad_logits[chunk] = (grad_chunk / ctx.temperature).to(logits.dtype)
-            start = end
-        return grad_logits, None, None, None

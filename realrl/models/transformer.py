@@ -29,6 +29,7 @@ from realrl.models.layers import (
     RotaryTable,
     split_rotated_qkv,
 )
+from realrl.models.lm_head import lm_head_logprobs
 from realrl.models.shared_prefix import find_shared_prefixes
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class Transformer(nn.Module):
         factory = factory or PlainLayerFactory()
         self.config = config
         self.tp_size = factory.tp_size
-        # Reads log-probabilities and entropies off this model's logits (`shifted_logprobs`).
+        # Its process group (None: one device) reduces the LM head's vocabulary slices.
         self.layer_factory = factory
         self.attention_kernel = "auto"
         # Run the tokens that consecutive packed sequences share from their start once in
@@ -208,7 +209,8 @@ class Transformer(nn.Module):
 
         A tensor-parallel model's head computes this rank's vocabulary slice
         [..., vocab / tp_size]; `gather_vocab` gathers the full logits (no gradient: generation
-        samples from them), otherwise the slice is returned for `shifted_logprobs`.
+        samples from them), otherwise the slice is returned. Training and inference skip the head
+        (`forward(..., apply_lm_head=False)` and `shifted_logprobs`).
         """
         if self.value_head is not None:
             return self.value_head(hidden).squeeze(-1).float()
@@ -219,35 +221,58 @@ class Transformer(nn.Module):
             return self.lm_head(hidden)
         return F.linear(hidden, self.embedding.weight)
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's weight [vocab (/ tp_size), hidden]: the embedding's when tied."""
+        weight = None if self.lm_head is None else self.lm_head.weight
+        return self.embedding.weight if weight is None else weight
+
     def shifted_logprobs(
         self,
-        logits: torch.Tensor,
+        hidden: torch.Tensor,
         packed_input_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         temperature: float = 1.0,
     ) -> torch.Tensor:
-        """fp32 log-probability [total_tokens - num_seqs] of each next token, from this model's
-        `forward` logits (`realrl.algo.layout.packed_shifted_logprobs`); under tensor
-        parallelism from the vocabulary slices, reduced over the tp group without a gather."""
-        return self.layer_factory.shifted_logprobs(
-            logits, packed_input_ids, cu_seqlens, temperature
+        """fp32 log-probability [total_tokens - num_seqs] of each next token, from the final
+        hidden states [total_tokens, hidden] of `forward(..., apply_lm_head=False)`: the LM head
+        and the log-softmax fused, chunk by chunk (`realrl.models.lm_head`), never holding
+        [total_tokens, vocab] logits; under tensor parallelism reduced over the tp group from
+        each rank's vocabulary slice, without a gather."""
+        logprobs, _ = lm_head_logprobs(
+            hidden, self.lm_head_weight(), packed_input_ids, cu_seqlens, temperature,
+            with_entropy=False, group=self.layer_factory.process_group,
         )
+        return logprobs
 
-    def shifted_entropy(
-        self, logits: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0
-    ) -> torch.Tensor:
-        """fp32 entropy [total_tokens - num_seqs] of each next-token distribution (nats), from
-        this model's `forward` logits, like `shifted_logprobs`."""
-        return self.layer_factory.shifted_entropy(logits, cu_seqlens, temperature)
+    def shifted_logprobs_and_entropy(
+        self,
+        hidden: torch.Tensor,
+        packed_input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`shifted_logprobs` and the fp32 entropy [total_tokens - num_seqs] of each next-token
+        distribution (nats), from one pass over the logits' chunks. Detach the entropy when
+        only logging it: its backward is then skipped."""
+        logprobs, entropy = lm_head_logprobs(
+            hidden, self.lm_head_weight(), packed_input_ids, cu_seqlens, temperature,
+            with_entropy=True, group=self.layer_factory.process_group,
+        )
+        assert entropy is not None
+        return logprobs, entropy
 
     def forward(
         self,
         packed_input_ids: torch.Tensor,  # [total_tokens]
         cu_seqlens: torch.Tensor,  # [num_seqs + 1]
         position_ids: torch.Tensor | None = None,  # [total_tokens]
+        apply_lm_head: bool = True,
     ) -> torch.Tensor:
         """Logits [total_tokens, vocab] (critic: values [total_tokens], fp32); under tensor
         parallelism this rank's vocabulary slice [total_tokens, vocab / tp_size] (see `head`).
+        Without `apply_lm_head` an LM returns its final hidden states [total_tokens, hidden],
+        from which `shifted_logprobs` computes the head chunk by chunk: what training and
+        inference use (the engine's forwards), so no [total_tokens, vocab] logits exist.
 
         Position ids default to 0..len-1 within each sequence. Costs one host sync to read
         the sequence lengths, and with `share_prefixes` one more to find the shared tokens.
@@ -269,7 +294,7 @@ class Transformer(nn.Module):
                 return varlen_attention(query, key, value, layout, window, kernel)
 
             hidden = self.hidden_states(packed_input_ids, position_ids, attend)
-            return self.head(hidden, gather_vocab=False)
+            return self._output(hidden, apply_lm_head)
 
         def attend_whole_sequences(layer_index, query, key, value):
             query, key, value = (prefixes.expand(t) for t in (query, key, value))
@@ -280,7 +305,13 @@ class Transformer(nn.Module):
             prefixes.compact(position_ids),
             attend_whole_sequences,
         )
-        return self.head(prefixes.expand(hidden), gather_vocab=False)
+        return self._output(prefixes.expand(hidden), apply_lm_head)
+
+    def _output(self, hidden: torch.Tensor, apply_lm_head: bool) -> torch.Tensor:
+        """`forward`'s result from the final hidden states [total_tokens, hidden]."""
+        if apply_lm_head or self.value_head is not None:
+            return self.head(hidden, gather_vocab=False)
+        return hidden
 
     @property
     def dtype(self) -> torch.dtype:

@@ -66,6 +66,7 @@ def _reference_logprobs_and_entropy(logits, input_ids, lengths, temperature):
 @pytest.mark.parametrize("chunk_elements", [2**24, 7 * 11])  # one chunk; chunks of 7 rows
 def test_packed_logprobs_and_entropy_match_per_sequence_reference(monkeypatch, chunk_elements):
     monkeypatch.setattr(layout, "_LOGIT_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(layout, "_MIN_CHUNK_ROWS", 1)
     torch.manual_seed(0)
     lengths, vocab, temperature = [5, 1, 9, 3, 12], 11, 0.7
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])

@@ -139,8 +139,10 @@ def test_megatron_tensor_parallel_layers_at_t1_match_the_plain_layers():
     layered.load_state_dict(plain.state_dict())
     packed, cu_seqlens = batch(num_seqs=4)
     with torch.no_grad():
-        expected = plain.shifted_logprobs(plain(packed, cu_seqlens), packed, cu_seqlens)
-        got = layered.shifted_logprobs(layered(packed, cu_seqlens), packed, cu_seqlens)
+        plain_hidden = plain(packed, cu_seqlens, apply_lm_head=False)
+        layered_hidden = layered(packed, cu_seqlens, apply_lm_head=False)
+        expected = plain.shifted_logprobs(plain_hidden, packed, cu_seqlens)
+        got = layered.shifted_logprobs(layered_hidden, packed, cu_seqlens)
     error = (got - expected).abs().max().item()
     print(f"\n[gpu] megatron tp layers t1 vs plain, bf16: max |log-prob difference| {error:.2e}")
     assert error < 0.05

@@ -6,6 +6,7 @@ engine did before master weights) is written out here to show what the masters c
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 
@@ -73,12 +74,17 @@ def microbatches(sequences: list[int], per_microbatch: int) -> list[tuple]:
     return result
 
 
-def loss_fn(forward, microbatch):
-    """Each micro-batch's share of the whole batch's mean cross-entropy (global denominator)."""
-    input_ids, cu_seqlens, targets = microbatch
-    logits = forward(input_ids, cu_seqlens).float()  # [tokens, vocab]
-    loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum") / BOUNDS[-1]
-    return loss, {"loss": float(loss.detach())}
+def cross_entropy(module):
+    """Each micro-batch's share of the whole batch's mean cross-entropy (global denominator),
+    from the final hidden states the engine's forward returns, through `module`'s LM head."""
+
+    def loss_fn(forward, microbatch):
+        input_ids, cu_seqlens, targets = microbatch
+        logits = module.head(forward(input_ids, cu_seqlens)).float()  # [tokens, vocab]
+        loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum") / BOUNDS[-1]
+        return loss, {"loss": float(loss.detach())}
+
+    return loss_fn
 
 
 def flat(tensors) -> torch.Tensor:
@@ -89,7 +95,7 @@ def train(dtype: torch.dtype, lr: float, steps: int, per_microbatch: int = 4,
           adam_eps: float = 1e-8) -> TorchEngine:
     engine = make_engine(tiny_model().to(dtype), lr, adam_eps=adam_eps)
     for _ in range(steps):
-        engine.train_microbatches(microbatches([0, 1, 2, 3], per_microbatch), loss_fn)
+        engine.train_microbatches(microbatches([0, 1, 2, 3], per_microbatch), cross_entropy(engine.module))
     return engine
 
 
@@ -101,7 +107,8 @@ def train_plain_bf16(lr: float, steps: int) -> Transformer:
     for _ in range(steps):
         optimizer.zero_grad()
         for microbatch in microbatches([0, 1, 2, 3], 4):
-            loss_fn(model, microbatch)[0].backward()
+            forward = functools.partial(model, apply_lm_head=False)
+            cross_entropy(model)(forward, microbatch)[0].backward()
         optimizer.step()
     return model
 
@@ -120,7 +127,7 @@ def test_tiny_updates_move_the_fp32_masters_every_step_and_the_bf16_weights_foll
     weight_pointers = [p.data_ptr() for p in engine.module.parameters()]
     previous = flat(masters)
     for _ in range(20):
-        engine.train_microbatches(microbatches([0, 1, 2, 3], 2), loss_fn)
+        engine.train_microbatches(microbatches([0, 1, 2, 3], 2), cross_entropy(engine.module))
         current = flat(masters)
         moved = current != previous
         # Embedding rows of tokens absent from the batch get no gradient; the rest move.
@@ -200,7 +207,7 @@ def test_a_resume_restores_the_masters_exactly():
     resumed = _resumed(first, torch.bfloat16)
     assert torch.equal(masters(resumed), masters(first))
     for engine in (first, resumed):
-        engine.train_microbatches(microbatches([0, 1, 2, 3], 2), loss_fn)
+        engine.train_microbatches(microbatches([0, 1, 2, 3], 2), cross_entropy(engine.module))
     assert torch.equal(masters(resumed), masters(first))
     assert torch.equal(flat(resumed.module.parameters()), flat(first.module.parameters()))
     # The bf16 weights alone would have lost what the masters hold below one bf16 spacing.
@@ -240,7 +247,7 @@ def _data_parallel_run(parallel: ParallelContext, sequences: list[int]) -> dict:
         engine = make_engine(tiny_model().to(torch.bfloat16), 1e-3, parallel,
                              gradient_clipping=clipping)
         for _ in range(2):
-            stats = engine.train_microbatches(microbatches(sequences, 1), loss_fn)
+            stats = engine.train_microbatches(microbatches(sequences, 1), cross_entropy(engine.module))
         buckets = engine.backend.gradient_buckets
         results[clipping] = {
             "masters": flat(engine.backend.master_weights.masters),
@@ -295,8 +302,8 @@ def test_kept_forward_is_reused_with_masters_until_the_weights_are_written():
     reference = make_engine(tiny_model().to(torch.bfloat16), 1e-3)
     (microbatch,) = microbatches([0, 1, 2, 3], 4)
     engine.forward(microbatch[0], microbatch[1], keep=True)
-    stats = engine.train_microbatches([microbatch], loss_fn)
-    reference_stats = reference.train_microbatches([microbatch], loss_fn)
+    stats = engine.train_microbatches([microbatch], cross_entropy(engine.module))
+    reference_stats = reference.train_microbatches([microbatch], cross_entropy(reference.module))
     assert stats["forward_reused"] == 1.0
     assert stats["loss"] == reference_stats["loss"]
     assert torch.equal(masters(engine), masters(reference))
@@ -307,7 +314,7 @@ def test_kept_forward_is_reused_with_masters_until_the_weights_are_written():
         for target, source in zip(engine.module.parameters(), tiny_model(seed=3).parameters()):
             target.copy_(source)
     engine.weights_written()
-    assert engine.train_microbatches([microbatch], loss_fn)["forward_reused"] == 0.0
+    assert engine.train_microbatches([microbatch], cross_entropy(engine.module))["forward_reused"] == 0.0
 
 
 # ------------------------------------------------------------------ tensor parallel
@@ -315,7 +322,7 @@ def test_kept_forward_is_reused_with_masters_until_the_weights_are_written():
 
 def next_token_loss_fn(module):
     """The mean next-token NLL through `module.shifted_logprobs`: a tensor-parallel model's
-    logits are each rank's vocabulary slice, and only the model reduces them over its group."""
+    LM head holds a vocabulary slice on each rank, and only the model reduces over its group."""
 
     def loss_of(forward, microbatch):
         input_ids, cu_seqlens, _ = microbatch

@@ -13,16 +13,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_mixed_precision import flat, loss_fn, make_engine, microbatches, tiny_model
+from test_mixed_precision import cross_entropy, flat, make_engine, microbatches, tiny_model
 
 from realrl.api import environment
 from realrl.api.config import NanPolicy
 from realrl.backends.torch_engine import NonFiniteError, ParallelContext
 
 
-def nan_in(poisoned: set[int]):
-    """`loss_fn`, with micro-batches `poisoned` (0-based) giving a NaN loss."""
+def nan_in(module, poisoned: set[int]):
+    """`cross_entropy(module)`, with micro-batches `poisoned` (0-based) giving a NaN loss."""
     calls = []
+    loss_fn = cross_entropy(module)
 
     def poisoned_loss(forward, microbatch):
         loss, stats = loss_fn(forward, microbatch)
@@ -36,7 +37,7 @@ def test_stop_names_the_micro_batch_and_leaves_the_weights():
     engine = make_engine(tiny_model(), 1e-2)
     before = flat(engine.module.parameters())
     with pytest.raises(NonFiniteError, match=r"non-finite loss in micro-batch 2 of 2 .*stop"):
-        engine.train_microbatches(microbatches([0, 1, 2, 3], 2), nan_in({1}))
+        engine.train_microbatches(microbatches([0, 1, 2, 3], 2), nan_in(engine.module, {1}))
     assert torch.equal(flat(engine.module.parameters()), before)
 
 
@@ -44,11 +45,11 @@ def test_skip_keeps_weights_moments_and_schedule_then_trains_on():
     engine = make_engine(tiny_model(), 1e-2)
     engine.nan_policy = NanPolicy.skip
     before = flat(engine.module.parameters())
-    stats = engine.train_microbatches(microbatches([0, 1, 2, 3], 2), nan_in({0}))
+    stats = engine.train_microbatches(microbatches([0, 1, 2, 3], 2), nan_in(engine.module, {0}))
     assert engine.skipped_steps == 1 and stats["grad_norm"] != stats["grad_norm"]  # NaN
     assert torch.equal(flat(engine.module.parameters()), before)
     assert engine.optimizer.state == {} and engine.lr_scheduler.last_epoch == 0
-    stats = engine.train_microbatches(microbatches([0, 1, 2, 3], 2), loss_fn)
+    stats = engine.train_microbatches(microbatches([0, 1, 2, 3], 2), cross_entropy(engine.module))
     assert engine.skipped_steps == 1 and stats["grad_norm"] > 0
     assert not torch.equal(flat(engine.module.parameters()), before)
 
@@ -63,7 +64,7 @@ def _rank(rank: int, rendezvous: str, output: str) -> None:
         engine.nan_policy = NanPolicy.skip
         before = flat(engine.module.parameters())
         # Only rank 1 meets a NaN loss; rank 0's losses are finite.
-        loss = nan_in({0}) if rank == 1 else loss_fn
+        loss = nan_in(engine.module, {0}) if rank == 1 else cross_entropy(engine.module)
         engine.train_microbatches(microbatches([0, 1] if rank == 0 else [2, 3], 1), loss)
         unchanged = torch.equal(flat(engine.module.parameters()), before)
         torch.save({"skipped": engine.skipped_steps, "unchanged": unchanged}, f"{output}{rank}")

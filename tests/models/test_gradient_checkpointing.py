@@ -36,7 +36,8 @@ def packed_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss_and_gradients(model: Transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     packed, cu_seqlens = packed_batch(model.config.vocab_size)
     model.zero_grad(set_to_none=True)
-    logprobs = model.shifted_logprobs(model(packed, cu_seqlens), packed, cu_seqlens)
+    hidden = model(packed, cu_seqlens, apply_lm_head=False)
+    logprobs = model.shifted_logprobs(hidden, packed, cu_seqlens)
     loss = -logprobs.mean()
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}

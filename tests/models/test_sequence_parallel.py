@@ -88,12 +88,12 @@ def batches(vocab_size: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 def loss_and_outputs(model: Transformer, packed, cu_seqlens):
     """A loss through what the interfaces read: log-probs and entropies, or values."""
-    output = model(packed, cu_seqlens)
     if model.config.is_critic:
+        output = model(packed, cu_seqlens)
         weights = torch.linspace(-1.0, 1.0, output.numel())
         return (output * weights).sum(), {"values": output.detach()}
-    logprobs = model.shifted_logprobs(output, packed, cu_seqlens)
-    entropy = model.shifted_entropy(output, cu_seqlens)
+    hidden = model(packed, cu_seqlens, apply_lm_head=False)  # the fused head reads these
+    logprobs, entropy = model.shifted_logprobs_and_entropy(hidden, packed, cu_seqlens)
     loss = -(logprobs * torch.linspace(0.5, 1.5, logprobs.numel())).sum() - 0.3 * entropy.sum()
     return loss, {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
 

@@ -1,9 +1,10 @@
 """Tensor parallelism on megatron-core's layers over 2 gloo processes equals a single device.
 
 Per model (untied Qwen2 with QKV bias, tied Llama, critic), built by `shard_module` as a model
-worker builds it: the logits (gathered), the vocab-parallel log-probs and entropies, every
-gradient, and the log-probs after one AdamW step all equal the single-device model's within
-1e-5. Also checked: the parameters megatron marks as split are exactly those the state-dict
+worker builds it: the logits (gathered), the log-probs and entropies the fused LM head reads
+off the hidden states and each rank's vocabulary slice (`realrl.models.lm_head`, in several
+chunks), every gradient (the head's weight, tied or not, included), and the log-probs after one
+AdamW step all equal the single-device model's within 1e-5. Also checked: the parameters megatron marks as split are exactly those the state-dict
 sharding splits, nothing touches megatron's `parallel_state` globals, and an initialised global
 tp layout (of another size) does not change the results (megatron-core 0.16.1's
 `vocab_parallel_cross_entropy` would reduce over it).
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from realrl.algo import layout
 from realrl.algo.layout import packed_entropy, packed_shifted_logprobs
 from realrl.backends.torch_engine import ParallelContext, sharded_parameter_ids
 from realrl.models.config import ModelConfig
@@ -64,8 +66,7 @@ def training_loss(model: Transformer, output: torch.Tensor, packed, cu_seqlens):
     if model.config.is_critic:
         weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(2))
         return (output * weights).sum(), {}
-    logprobs = model.shifted_logprobs(output, packed, cu_seqlens)
-    entropy = model.shifted_entropy(output, cu_seqlens)
+    logprobs, entropy = model.shifted_logprobs_and_entropy(output, packed, cu_seqlens)
     loss = -(logprobs * torch.linspace(0.5, 1.5, logprobs.numel())).sum() - 0.3 * entropy.sum()
     return loss, {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
 
@@ -80,16 +81,18 @@ def train_once(model: Transformer):
     """Outputs, gradients and the log-probs after one AdamW step on the fixed batch."""
     packed, cu_seqlens = packed_batch(model.config.vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    output = model(packed, cu_seqlens)
+    output = model(packed, cu_seqlens, apply_lm_head=False)  # hidden states, or values
     loss, read_off = training_loss(model, output, packed, cu_seqlens)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(packed, cu_seqlens)  # this rank's vocabulary slice, or values
     optimizer.step()
     with torch.no_grad():
-        after = model(packed, cu_seqlens)
+        after = model(packed, cu_seqlens, apply_lm_head=False)
         if not model.config.is_critic:
             after = model.shifted_logprobs(after, packed, cu_seqlens)
-    return output.detach(), read_off, grads, after
+    return logits, read_off, grads, after
 
 
 def max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -140,7 +143,8 @@ def global_layout_does_not_matter(rank: int, group) -> float:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
         with torch.no_grad():
-            logprobs = shard.shifted_logprobs(shard(packed, cu_seqlens), packed, cu_seqlens)
+            hidden = shard(packed, cu_seqlens, apply_lm_head=False)
+            logprobs = shard.shifted_logprobs(hidden, packed, cu_seqlens)
             expected = packed_shifted_logprobs(reference(packed, cu_seqlens), packed, cu_seqlens)
     finally:
         parallel_state.destroy_model_parallel()
@@ -149,6 +153,8 @@ def global_layout_does_not_matter(rank: int, group) -> float:
 
 def _worker(rank: int, init_file: str, result_queue) -> None:
     torch.set_num_threads(1)
+    # 3 rows of a 32-wide vocabulary slice per chunk: the 13 rows take 5 rounds of all-reduces.
+    layout._LOGIT_CHUNK_ELEMENTS, layout._MIN_CHUNK_ROWS = 3 * SHAPE["vocab_size"] // 2, 1
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         from megatron.core import parallel_state
@@ -216,15 +222,16 @@ def test_vocab_parallel_logits_refuse_a_gather_that_would_drop_their_gradient():
         gather_vocabulary(logits, group=None)
 
 
-def test_single_device_logprobs_and_entropy_are_the_algo_functions():
+def test_single_device_fused_head_gives_the_algo_functions_of_the_logits():
     model = full_model(CONFIGS["qwen2_untied"])
     packed, cu_seqlens = packed_batch(model.config.vocab_size)
     with torch.no_grad():
         logits = model(packed, cu_seqlens)
-    assert torch.equal(
-        model.shifted_logprobs(logits, packed, cu_seqlens),
-        packed_shifted_logprobs(logits, packed, cu_seqlens),
+        hidden = model(packed, cu_seqlens, apply_lm_head=False)
+        logprobs, entropy = model.shifted_logprobs_and_entropy(hidden, packed, cu_seqlens)
+    torch.testing.assert_close(
+        logprobs, packed_shifted_logprobs(logits, packed, cu_seqlens), rtol=0, atol=TOLERANCE
     )
-    assert torch.equal(
-        model.shifted_entropy(logits, cu_seqlens), packed_entropy(logits, cu_seqlens)
+    torch.testing.assert_close(
+        entropy, packed_entropy(logits, cu_seqlens), rtol=0, atol=TOLERANCE
     )
