@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import EOS_ID, build_model, make_engine, rollout_batch
+from interface_helpers import EOS_ID, build_model, make_engine, rollout_batch
 
 from realrl.api.dfg import MicroBatchSpec
 from realrl.api.rl_config import PPOHyperparameters

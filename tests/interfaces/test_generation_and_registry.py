@@ -1,5 +1,5 @@
 import pytest
-from conftest import build_model, make_engine, prompt_batch
+from interface_helpers import build_model, make_engine, prompt_batch
 
 from realrl.api.dfg import MicroBatchSpec
 from realrl.api.rl_config import GenerationHyperparameters

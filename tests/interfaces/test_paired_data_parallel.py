@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import EOS_ID, build_model, make_engine
+from interface_helpers import EOS_ID, build_model, make_engine
 
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import EOS_ID, build_model, make_engine
+from interface_helpers import EOS_ID, build_model, make_engine
 
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from conftest import EOS_ID, build_model, make_engine, prompt_batch, rollout_batch
+from interface_helpers import EOS_ID, build_model, make_engine, prompt_batch, rollout_batch
 
 from realrl.algo.aggregation import LOSS_AGG_MODES
 from realrl.algo.layout import packed_shifted_logprobs, segment_sum, shifted_cu_seqlens

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import EOS_ID, build_model, make_engine, rollout_batch
+from interface_helpers import EOS_ID, build_model, make_engine, rollout_batch
 
 from realrl.api import environment
 from realrl.api.dfg import MicroBatchSpec

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import EOS_ID, build_model, make_engine, rollout_batch
+from interface_helpers import EOS_ID, build_model, make_engine, rollout_batch
 from test_ppo_actor import actor_config
 
 from realrl.api.data import SequenceSample

@@ -2,7 +2,7 @@
 each sampled response's reward of the same prompt."""
 
 import torch
-from conftest import build_model, make_engine, rollout_batch
+from interface_helpers import build_model, make_engine, rollout_batch
 
 from realrl.api.rl_config import PPOHyperparameters
 from realrl.interfaces.ppo_batch import PPOTrainingState, prepare_ppo_batch

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import EOS_ID, build_model, make_engine
+from interface_helpers import EOS_ID, build_model, make_engine
 
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
