@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_tensor_parallel import CONFIGS
 
 from realrl.api.experiment import LRScheduler, OptimizerBackendName, OptimizerConfig
 from realrl.backends.optimizer_backend import sum_sequence_parallel_gradients
@@ -41,19 +42,6 @@ from realrl.models.tensor_parallel import unshard_state_dicts
 from realrl.models.transformer import Transformer
 from realrl.workers.model_loading import shard_module
 
-SHAPE = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-CONFIGS = {
-    "llama_tied": ModelConfig(**SHAPE, tie_word_embeddings=True),
-    "qwen2_untied": ModelConfig(**SHAPE, qkv_bias=True, model_type="qwen2"),
-    "critic": ModelConfig(**SHAPE, is_critic=True),
-}
 TOLERANCE = 1e-5
 STEPS = 3
 LAYOUTS = ("t2", "t2_sp")

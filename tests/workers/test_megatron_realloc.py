@@ -29,9 +29,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron_cpu_shim import cuda_to_cpu
-from test_megatron_runtime import install_megatron_backend
+from test_megatron_runtime import install_megatron_backend, spawn_world
 from test_tensor_parallel_runtime import (
     WORLD,
     full_parameters,
@@ -44,7 +43,6 @@ from test_tensor_parallel_runtime import (
 from realrl.api.allocation import DeviceMesh, MFCAllocation, ParallelStrategy
 from realrl.api.dfg import MFCDef, ParamReallocHook
 from realrl.api.experiment import DType, ModelKind, ModelSpec
-from realrl.launcher.defaults import fresh_default_model
 from realrl.models.checkpoint import load_pretrained
 from realrl.workers.model_worker import ModelWorker
 from realrl.workers.realloc import ProcessGroups, transfer_ranks
@@ -176,19 +174,8 @@ def run_worker(rank: int, port: int, model_path: str, result_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from realrl.launcher.run import free_port
-
-    directory = tmp_path_factory.mktemp("megatron_realloc")
-    model_path = str(fresh_default_model(directory / "model"))
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(
-        run_worker,
-        args=(free_port(), model_path, str(directory)),
-        nprocs=WORLD,
-        start_method="spawn",
-    )
-    results = {rank: torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD)}
-    return load_pretrained(model_path).config, results
+    _, config, results = spawn_world(tmp_path_factory, "megatron_realloc", run_worker)
+    return config, results
 
 
 def replicas(results: dict, case: str, round_index: int, label: str, config,

@@ -108,21 +108,27 @@ def run_worker(rank: int, port: int, model_path: str, result_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def spawn_world(tmp_path_factory, name: str, worker) -> tuple:
+    """Run `worker(rank, port, model_path, result_dir)` on `WORLD` spawned ranks over the tiny
+    default model; (result_dir, the model's config, {rank: the rank's saved results})."""
     from realrl.launcher.run import free_port
 
-    directory = tmp_path_factory.mktemp("megatron_runtime")
+    directory = tmp_path_factory.mktemp(name)
     model_path = str(fresh_default_model(directory / "model"))
     os.environ["OMP_NUM_THREADS"] = "1"
     mp.start_processes(
-        run_worker,
+        worker,
         args=(free_port(), model_path, str(directory)),
         nprocs=WORLD,
         start_method="spawn",
     )
     results = {rank: torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD)}
     return directory, load_pretrained(model_path).config, results
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return spawn_world(tmp_path_factory, "megatron_runtime", run_worker)
 
 
 def test_d2t2_distributed_optimizer_trains_like_one_device(run):
