@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import start_ranks
 
 from realrl.algo.advantages import AdvantageInputs, AdvantageSettings, compute_advantages
 from realrl.algo.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normaliser
@@ -143,9 +143,7 @@ def _data_parallel_worker(rank, world_size, init_file, result_dir):
 
 
 def test_two_gloo_ranks_match_the_single_process_full_batch(tmp_path):
-    mp.spawn(
-        _data_parallel_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
-    )
+    start_ranks(_data_parallel_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     batch = _random_batch(seed=5)
     for mode in LOSS_AGG_MODES:

@@ -27,9 +27,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from bf16_tolerance import assert_within_a_bf16_spacing
 from megatron_cpu_shim import cuda_to_cpu
+from rank_processes import start_ranks
 from test_mixed_precision import BOUNDS, flat, microbatches, tiny_model
 
 from realrl.api.experiment import LRScheduler, OptimizerBackendName, OptimizerConfig
@@ -197,7 +197,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     directory = tmp_path_factory.mktemp("megatron")
     output = str(directory / "result")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(worker, args=(str(directory / "rendezvous"), output), nprocs=2, join=True)
+    start_ranks(worker, (str(directory / "rendezvous"), output), 2)
     return [torch.load(f"{output}.rank{rank}", weights_only=False) for rank in range(2)]
 
 

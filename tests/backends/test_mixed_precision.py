@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import start_ranks
 
 from realrl.api import environment
 from realrl.api.experiment import LRScheduler, OptimizerConfig
@@ -278,8 +278,7 @@ def test_two_data_parallel_bf16_ranks_sum_fp32_gradients_like_one(tmp_path, shar
     micro-batch loop or over ranks) are then equal, and without clipping bit for bit."""
     torch.set_num_threads(1)
     output = str(tmp_path / "result")
-    mp.spawn(_data_parallel_worker, args=(str(tmp_path / "rendezvous"), output, shared),
-             nprocs=2, join=True)
+    start_ranks(_data_parallel_worker, (str(tmp_path / "rendezvous"), output, shared), 2)
     single = _data_parallel_run(ParallelContext(), [0, 1, 2, 3])
     for rank in range(2):
         ranks = torch.load(f"{output}.rank{rank}", weights_only=False)
@@ -353,8 +352,7 @@ def test_tensor_parallel_bf16_clips_on_fp32_gradients_counting_shards_once(tmp_p
     rounding of the sharded matmuls."""
     torch.set_num_threads(1)
     output = str(tmp_path / "result")
-    mp.spawn(_tensor_parallel_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2,
-             join=True)
+    start_ranks(_tensor_parallel_worker, (str(tmp_path / "rendezvous"), output), 2)
     module = tiny_model().to(torch.bfloat16)
     engine = make_engine(module, 1e-3, gradient_clipping=0.05)
     single = [engine.train_microbatches(microbatches([0, 1, 2, 3], 2), next_token_loss_fn(module))

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import start_ranks
 from test_mixed_precision import cross_entropy, flat, make_engine, microbatches, tiny_model
 
 from realrl.api import environment
@@ -73,7 +73,6 @@ def _rank(rank: int, rendezvous: str, output: str) -> None:
 
 
 def test_one_ranks_nan_skips_the_step_on_every_data_parallel_rank(tmp_path):
-    mp.spawn(_rank, args=(str(tmp_path / "rendezvous"), str(tmp_path / "rank")), nprocs=2,
-             join=True)
+    start_ranks(_rank, (str(tmp_path / "rendezvous"), str(tmp_path / "rank")), 2)
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}") == {"skipped": 1, "unchanged": True}, rank

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import start_ranks
 
 from realrl.backends.shared_memory import FILE_PREFIX, SharedMemorySum
 
@@ -51,12 +51,7 @@ def test_three_ranks_sum_through_shared_memory_and_leave_no_files(tmp_path):
     size, directory = 3, tmp_path / "shm"
     directory.mkdir()
     output = str(tmp_path / "result")
-    mp.spawn(
-        _sum_worker,
-        args=(size, str(tmp_path / "rendezvous"), str(directory), output),
-        nprocs=size,
-        join=True,
-    )
+    start_ranks(_sum_worker, (size, str(tmp_path / "rendezvous"), str(directory), output), size)
     ranks = [torch.load(f"{output}.rank{rank}") for rank in range(size)]
     for round_ in range(2):
         expected = [sum(parts) for parts in zip(*(_values(r, round_) for r in range(size)))]
@@ -91,12 +86,8 @@ def test_ranks_that_cannot_open_each_others_memory_all_fall_back(tmp_path):
         directory.mkdir()
     for case, directories in (("separate", separate), ("missing", missing)):
         output = str(tmp_path / case)
-        mp.spawn(
-            _fallback_worker,
-            args=(str(tmp_path / f"rendezvous-{case}"), [str(d) for d in directories], output),
-            nprocs=2,
-            join=True,
-        )
+        rendezvous = str(tmp_path / f"rendezvous-{case}")
+        start_ranks(_fallback_worker, (rendezvous, [str(d) for d in directories], output), 2)
         assert [torch.load(f"{output}.rank{r}")["shared"] for r in range(2)] == [False, False]
         for directory in separate:
             assert not [p for p in directory.iterdir() if p.name.startswith(FILE_PREFIX)]

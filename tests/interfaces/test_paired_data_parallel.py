@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from interface_helpers import EOS_ID, build_model, make_engine
+from rank_processes import start_ranks
 
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
@@ -134,7 +134,7 @@ def test_paired_statistics_match_on_one_and_two_data_parallel_ranks(tmp_path):
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     output = str(tmp_path / "result")
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2, join=True)
+    start_ranks(_worker, (str(tmp_path / "rendezvous"), output), 2)
     ranks = [torch.load(f"{output}.rank{rank}") for rank in range(2)]
     all_samples = RANK_SAMPLES[0] + RANK_SAMPLES[1]
 

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from interface_helpers import EOS_ID, build_model, make_engine, rollout_batch
+from rank_processes import start_ranks
 
 from realrl.api import environment
 from realrl.api.dfg import MicroBatchSpec
@@ -105,9 +105,7 @@ def test_two_data_parallel_ranks_train_the_actor_exactly_like_one(tmp_path, shar
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     output = str(tmp_path / "result")
-    mp.spawn(
-        _worker, args=(str(tmp_path / "rendezvous"), output, shared_memory), nprocs=2, join=True
-    )
+    start_ranks(_worker, (str(tmp_path / "rendezvous"), output, shared_memory), 2)
     single = _train(ParallelContext(), [0, 1, 2, 3])
     ranks = [torch.load(f"{output}.rank{rank}", weights_only=False) for rank in range(2)]
     for mode in MODES:
@@ -176,7 +174,7 @@ def _overlap_worker(rank: int, rendezvous: str, output: str) -> None:
 
 def test_gradient_all_reduces_start_during_the_backward(tmp_path):
     output = str(tmp_path / "result")
-    mp.spawn(_overlap_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2, join=True)
+    start_ranks(_overlap_worker, (str(tmp_path / "rendezvous"), output), 2)
     ranks = [torch.load(f"{output}.rank{rank}") for rank in range(2)]
     for result in ranks:
         assert result["num_buckets"] > 3

@@ -29,7 +29,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import start_ranks
 from test_tensor_parallel import CONFIGS
 
 from realrl.api.experiment import LRScheduler, OptimizerBackendName, OptimizerConfig
@@ -247,7 +247,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     directory = tmp_path_factory.mktemp("sequence_parallel")
     output = str(directory / "result")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(worker, args=(str(directory / "rendezvous"), output), nprocs=2, join=True)
+    start_ranks(worker, (str(directory / "rendezvous"), output), 2)
     return [torch.load(f"{output}.rank{rank}", weights_only=False) for rank in range(2)]
 
 

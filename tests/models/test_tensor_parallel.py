@@ -12,12 +12,10 @@ tp layout (of another size) does not change the results (megatron-core 0.16.1's
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import environment_for_ranks, rank_context, run_rank
 
 from realrl.algo import layout
 from realrl.algo.layout import packed_entropy, packed_shifted_logprobs
@@ -176,11 +174,11 @@ def _worker(rank: int, init_file: str, result_queue) -> None:
 
 def test_two_rank_megatron_layers_match_one_rank_in_logits_logprobs_gradients_and_a_step(tmp_path):
     """t2 on megatron-core's layers vs t1, in one pair of processes."""
-    context = mp.get_context("spawn")
+    context = rank_context()
     queue = context.Queue()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     processes = [
-        context.Process(target=_worker, args=(rank, str(tmp_path / "init"), queue))
+        context.Process(target=run_rank, args=(rank, _worker, environment_for_ranks(),
+                                               str(tmp_path / "init"), queue))
         for rank in range(2)
     ]
     for process in processes:

@@ -20,8 +20,8 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron_cpu_shim import cuda_to_cpu
+from rank_processes import start_ranks
 from test_tensor_parallel_runtime import (
     MAX_GRAD_NORM,
     WORLD,
@@ -116,12 +116,7 @@ def spawn_world(tmp_path_factory, name: str, worker) -> tuple:
     directory = tmp_path_factory.mktemp(name)
     model_path = str(fresh_default_model(directory / "model"))
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(
-        worker,
-        args=(free_port(), model_path, str(directory)),
-        nprocs=WORLD,
-        start_method="spawn",
-    )
+    start_ranks(worker, (free_port(), model_path, str(directory)), WORLD)
     results = {rank: torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD)}
     return directory, load_pretrained(model_path).config, results
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import start_ranks
 
 from realrl.api import environment
 from realrl.api.allocation import DeviceMesh, MFCAllocation, ParallelStrategy
@@ -218,12 +218,7 @@ def run_cases(tmp_path, cases: list[dict], shared_memory: bool = True) -> tuple[
 
     model_path = fresh_default_model(tmp_path / "model")
     world = max(world_size(layouts) for layouts in cases)
-    mp.start_processes(
-        worker,
-        args=(world, free_port(), str(model_path), cases, ETAS, str(tmp_path), shared_memory),
-        nprocs=world,
-        start_method="spawn",
-    )
+    start_ranks(worker, (world, free_port(), str(model_path), cases, ETAS, str(tmp_path), shared_memory), world)
     paths = [p for r in range(world) for p in torch.load(tmp_path / f"broadcast-paths-rank{r}.pt")]
     assert paths == [True] * len(paths) if shared_memory else paths == []
     assert not shared_memory or paths  # some case broadcasts
@@ -364,12 +359,7 @@ def test_a_posted_send_returns_before_the_receiver_and_sends_the_weights_it_had(
     from realrl.launcher.run import free_port
 
     model_path = fresh_default_model(tmp_path / "model")
-    mp.start_processes(
-        posted_send_worker,
-        args=(free_port(), str(model_path), str(tmp_path), shared_memory),
-        nprocs=2,
-        start_method="spawn",
-    )
+    start_ranks(posted_send_worker, (free_port(), str(model_path), str(tmp_path), shared_memory), 2)
     generator = torch.Generator().manual_seed(7)
     received = torch.load(tmp_path / "received.pt")
     for name, parameter in load_pretrained(model_path).named_parameters():

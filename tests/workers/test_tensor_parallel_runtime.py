@@ -14,7 +14,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_processes import start_ranks
 
 from realrl.api.allocation import DeviceMesh, MFCAllocation, ParallelStrategy
 from realrl.api.config import BaseExperimentConfig
@@ -175,12 +175,7 @@ def test_tensor_parallel_runtime_trains_checkpoints_and_generates_like_one_devic
 
     model_path = str(fresh_default_model(tmp_path / "model"))
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(
-        run_worker,
-        args=(free_port(), model_path, str(tmp_path)),
-        nprocs=WORLD,
-        start_method="spawn",
-    )
+    start_ranks(run_worker, (free_port(), model_path, str(tmp_path)), WORLD)
     config = load_pretrained(model_path).config
     results = {rank: torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)}
     reference = torch.load(tmp_path / "reference.pt")
