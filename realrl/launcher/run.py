@@ -27,6 +27,7 @@ from realrl.launcher.processes import (
     SupervisorInterrupted,
 )
 from realrl.workers.core_share import CoreShareSpec, create_share_file
+from realrl.workers.hang_report import report_path
 from realrl.workers.run_plan import RunPlan, base_settings
 from realrl.workers.run_secret import create_run_secret
 
@@ -98,7 +99,8 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int,
     env = {environment.RUN_DIR: str(run_dir), "PYTHONUNBUFFERED": "1", **openmp_environment()}
     master_env = env if core_share is None else env | {environment.CORE_SHARE_FILE: str(core_share)}
     specs = [ProcessSpec("master", common + ["master"], master_env,
-                         run_dir / "logs" / "master.log", "[master]", num_threads=1)]
+                         run_dir / "logs" / "master.log", "[master]", num_threads=1,
+                         report_path=report_path(run_dir))]
     for worker in plan.workers:
         roles = " ".join(worker.roles) or "idle"
         worker_env = env
