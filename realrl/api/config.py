@@ -215,11 +215,13 @@ class WatchdogConfig:
     )
 
     def validate(self, prefix: str) -> list[str]:
-        problems = [f"`{prefix}.{name}={getattr(self, name)}` must be > 0 (seconds, or a factor)."
-                    for name in ("deadline_multiple", "min_deadline_s", "warmup_deadline_s",
-                                 "heartbeat_interval_s", "heartbeat_timeout_s",
-                                 "collective_timeout_s")
+        problems = [f"`{prefix}.{name}={getattr(self, name)}` must be > 0 (seconds)."
+                    for name in ("min_deadline_s", "warmup_deadline_s", "heartbeat_interval_s",
+                                 "heartbeat_timeout_s", "collective_timeout_s")
                     if not getattr(self, name) > 0]
+        if self.deadline_multiple < 1:
+            problems.append(f"`{prefix}.deadline_multiple={self.deadline_multiple}` must be >= 1: "
+                            "below, a call slower than its median would stop the run; try 10.")
         if self.warmup_calls < 1:
             problems.append(f"`{prefix}.warmup_calls={self.warmup_calls}` must be >= 1 (the first "
                             "call of each MFC has no median).")

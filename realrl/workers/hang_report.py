@@ -24,11 +24,15 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from realrl.api.config import WatchdogConfig
 from realrl.workers.heartbeat import STACK_DUMP_SIGNAL, process_stat
 from realrl.workers.transport import AsyncClient
 from realrl.workers.wire import Message, TransportError
+
+if TYPE_CHECKING:
+    from realrl.workers.watchdog import Call
 
 STACKS_TIMEOUT_S = 10.0  # for a heartbeat thread to send the stacks
 LOG_DUMP_WAIT_S = 5.0  # for faulthandler's SIGUSR2 dump to reach the log
@@ -84,11 +88,11 @@ def compose(headline: str, sections: list[str], config: WatchdogConfig) -> str:
     return "\n\n".join([headline, *sections, advice])
 
 
-async def describe_rank(rank: int, worker: WorkerProcess, client: AsyncClient, calls: list,
+async def describe_rank(rank: int, worker: WorkerProcess, client: AsyncClient, calls: list[Call],
                         now: float, quiet_s: float, silent: bool, run_dir: Path) -> str:
     """One rank's section: what it is doing, since when, its stacks and its log's end.
-    `calls` are its `realrl.workers.watchdog.Call`s in flight, `quiet_s` the time since its
-    last heartbeat, `silent` whether that is past the timeout."""
+    `calls` are its calls in flight, `quiet_s` the time since its last heartbeat, `silent`
+    whether that is past the timeout."""
     doing = "; ".join(f"in {call.describe()} for {now - call.started:.1f} s" for call in calls)
     liveness = (f"no heartbeat for {quiet_s:.1f} s" if silent
                 else f"alive (last heartbeat {quiet_s:.1f} s ago)")

@@ -59,7 +59,9 @@ class Master:
         """`calls` is where requests are recorded: the watchdog's, when one guards the run."""
         self.plan = plan
         self.clients = clients
-        self.calls = calls or InFlightCalls(WatchdogClock(), DeadlinePolicy(plan.base.watchdog))
+        if calls is None:
+            calls = InFlightCalls(WatchdogClock(), DeadlinePolicy(plan.base.watchdog))
+        self.calls = calls
         self.rank_locks = {rank: asyncio.Lock() for rank in clients}
         self.role_version = {role: 0 for role in plan.models}
         self.layout_version = {layout: 0 for layout in plan.layouts()}
