@@ -27,7 +27,6 @@ from realrl.launcher.processes import (
     SupervisorInterrupted,
 )
 from realrl.workers.core_share import CoreShareSpec, create_share_file
-from realrl.workers.hang_report import report_path
 from realrl.workers.run_plan import RunPlan, base_settings
 from realrl.workers.run_secret import create_run_secret
 
@@ -100,7 +99,9 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int,
     master_env = env if core_share is None else env | {environment.CORE_SHARE_FILE: str(core_share)}
     specs = [ProcessSpec("master", common + ["master"], master_env,
                          run_dir / "logs" / "master.log", "[master]", num_threads=1,
-                         report_path=report_path(run_dir))]
+                         # The hang watchdog's diagnosis (`realrl.workers.hang_report.report_path`;
+                         # not imported: it pulls in torch, which the launcher does without).
+                         report_path=run_dir / "logs" / "watchdog.txt")]
     for worker in plan.workers:
         roles = " ".join(worker.roles) or "idle"
         worker_env = env
