@@ -93,7 +93,8 @@ class ProcessFailure(RuntimeError):
         how = f"exited with code {self.exit_code}"
         if self.signal_name is not None:
             how = f"was killed by {self.signal_name}"
-        headline = f"process {self.name!r} (pid {self.pid}) {how}; all other processes were stopped."
+        headline = (f"process {self.name!r} (pid {self.pid}) {how}; all other processes were "
+                    "stopped.")
         if self.report is not None:
             return f"{headline}\n{self.report}"
         tail = "\n".join(f"    {line}" for line in self.log_tail) or "    (no output)"

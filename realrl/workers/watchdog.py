@@ -8,9 +8,9 @@ lock held for ever) used to leave the master waiting for its reply for a day. No
   a checkpoint save), at which step, since when (`InFlightCalls`, filled by
   `realrl.workers.master.Master`). A call that returns adds its duration to its name's history.
 - Each call has a deadline (`DeadlinePolicy`): `watchdog.deadline_multiple` times the median of
-  the last `MEDIAN_WINDOW` durations of the same call, at least `watchdog.min_deadline_s`; the
-  first `watchdog.warmup_calls` of each name (compilation, CUDA graph capture, NCCL set-up) get
-  `watchdog.warmup_deadline_s`.
+  the last `MEDIAN_WINDOW` durations of the same call, at least `watchdog.min_deadline_s`; each
+  rank's first `watchdog.warmup_calls` calls of each name (compilation, CUDA graph capture, NCCL
+  set-up) get `watchdog.warmup_deadline_s`.
 - Every `watchdog.heartbeat_interval_s` the master pings each worker's heartbeat thread
   (`realrl.workers.heartbeat`), which answers while the worker is busy; a worker that answers
   nothing for `watchdog.heartbeat_timeout_s` is hung whatever it was doing.
@@ -28,6 +28,7 @@ suspended SLURM job stops the master with its workers: on resumption nothing has
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import statistics
 import time
@@ -90,35 +91,36 @@ class Call:
 
 
 class DeadlinePolicy:
-    """How long a call may run: `watchdog.deadline_multiple` x the median of its name's last
-    `MEDIAN_WINDOW` durations, at least `watchdog.min_deadline_s`; `watchdog.warmup_deadline_s`
-    while fewer than `watchdog.warmup_calls` have finished."""
+    """How long a call may run on a rank: `watchdog.deadline_multiple` x the median of its
+    name's last `MEDIAN_WINDOW` durations (every rank's), at least `watchdog.min_deadline_s`;
+    `watchdog.warmup_deadline_s` while that rank has finished fewer than `watchdog.warmup_calls`
+    calls of the name (each rank compiles on its own first calls)."""
 
     def __init__(self, config: WatchdogConfig):
         self.config = config
         self._durations: dict[str, deque[float]] = {}
+        self._finished: collections.Counter[tuple[str, int]] = collections.Counter()
 
-    def observe(self, name: str, seconds: float) -> None:
+    def observe(self, name: str, rank: int, seconds: float) -> None:
         self._durations.setdefault(name, deque(maxlen=MEDIAN_WINDOW)).append(seconds)
+        self._finished[name, rank] += 1
 
-    def deadline_s(self, name: str) -> float:
-        durations = self._durations.get(name, ())
-        if len(durations) < self.config.warmup_calls:
+    def deadline_s(self, name: str, rank: int) -> float:
+        if self._finished[name, rank] < self.config.warmup_calls:
             return self.config.warmup_deadline_s
         return max(self.config.min_deadline_s,
-                   self.config.deadline_multiple * statistics.median(durations))
+                   self.config.deadline_multiple * statistics.median(self._durations[name]))
 
-    def explain(self, name: str) -> str:
-        """Where `deadline_s(name)` comes from, in the keys a user would change."""
-        durations = self._durations.get(name, ())
-        if len(durations) < self.config.warmup_calls:
-            return (f"watchdog.warmup_deadline_s={self.config.warmup_deadline_s:g}: "
-                    f"{len(durations)} earlier call(s), fewer than watchdog.warmup_calls="
-                    f"{self.config.warmup_calls}")
-        median = statistics.median(durations)
+    def explain(self, name: str, rank: int) -> str:
+        """Where `deadline_s(name, rank)` comes from, in the keys a user would change."""
+        finished = self._finished[name, rank]
+        if finished < self.config.warmup_calls:
+            return (f"watchdog.warmup_deadline_s={self.config.warmup_deadline_s:g}: the rank's "
+                    f"call {finished + 1}, within watchdog.warmup_calls={self.config.warmup_calls}")
+        durations = self._durations[name]
         return (f"watchdog.deadline_multiple={self.config.deadline_multiple:g} x the median "
-                f"{median:.3g} s of its last {len(durations)} calls, at least "
-                f"watchdog.min_deadline_s={self.config.min_deadline_s:g}")
+                f"{statistics.median(durations):.3g} s of its last {len(durations)} calls, at "
+                f"least watchdog.min_deadline_s={self.config.min_deadline_s:g}")
 
 
 class InFlightCalls:
@@ -139,7 +141,7 @@ class InFlightCalls:
             yield call
         finally:
             self.by_rank[rank].remove(call)
-        self.policy.observe(name, self.clock.now() - call.started)
+        self.policy.observe(name, rank, self.clock.now() - call.started)
         if kind == "exit":
             self.exited.add(rank)
 
@@ -234,9 +236,9 @@ class Watchdog:
 
     def overruns(self) -> list[Overrun]:
         now, policy = self.clock.now(), self.calls.policy
-        return [Overrun(rank, call, now - call.started, policy.deadline_s(call.name))
+        return [Overrun(rank, call, now - call.started, policy.deadline_s(call.name, rank))
                 for rank, calls in sorted(self.calls.by_rank.items()) for call in calls
-                if now - call.started > policy.deadline_s(call.name)]
+                if now - call.started > policy.deadline_s(call.name, rank)]
 
     async def _diagnose(self, clients: dict[int, AsyncClient], silences: list[Silence],
                         overruns: list[Overrun]) -> HangError:
@@ -261,16 +263,17 @@ def describe_hang(silences: list[Silence], overruns: list[Overrun], config: Watc
                   policy: DeadlinePolicy) -> str:
     """The diagnosis's first line: which calls overran on which ranks, which ranks fell silent."""
     problems = []
-    by_call: dict[tuple[str, str, int | None], list[Overrun]] = {}
+    by_call: dict[tuple, list[Overrun]] = {}  # ranks of one call with one deadline together
     for overrun in overruns:
-        by_call.setdefault((overrun.call.kind, overrun.call.name, overrun.call.step),
+        call = overrun.call
+        by_call.setdefault((call.kind, call.name, call.step, overrun.deadline_s),
                            []).append(overrun)
     for late in by_call.values():
         call = late[0].call
         problems.append(
             f"{call.describe()} has run {_seconds(max(o.seconds for o in late))} on "
             f"{_ranks(o.rank for o in late)}, past its deadline of {_seconds(late[0].deadline_s)} "
-            f"({policy.explain(call.name)})"
+            f"({policy.explain(call.name, late[0].rank)})"
         )
     for silence in silences:
         doing = "".join(f", in {call.describe()}," for call in silence.calls[:1])

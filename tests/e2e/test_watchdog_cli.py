@@ -99,7 +99,7 @@ def test_a_worker_stuck_inside_an_mfc_is_stopped_at_its_deadline_with_its_stack(
     assert result.returncode != 0, describe(result)
     assert re.search(r"the hang watchdog stopped the run: MFC trainDefault \(step 1\) has run "
                      r"[\d.]+ s on rank 0, past its deadline of 3 s \(watchdog.warmup_deadline_s"
-                     r"=3: 0 earlier call\(s\)", result.stderr), describe(result)
+                     r"=3: the rank's call 1, ", result.stderr), describe(result)
     section = result.stderr[result.stderr.index("rank 0 (pid "):]
     assert "in MFC trainDefault (step 1) for " in section.splitlines()[0]
     assert "; alive (last heartbeat " in section.splitlines()[0]

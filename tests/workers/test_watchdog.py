@@ -31,43 +31,50 @@ CONFIG = WatchdogConfig(deadline_multiple=10.0, min_deadline_s=5.0, warmup_calls
                         warmup_deadline_s=100.0)
 
 
-def test_the_first_calls_get_the_warmup_deadline():
+def test_each_ranks_first_calls_get_the_warmup_deadline():
     policy = DeadlinePolicy(CONFIG)
-    assert policy.deadline_s("actor_gen") == 100.0  # no call yet
-    policy.observe("actor_gen", 30.0)  # a first call that compiled
-    assert policy.deadline_s("actor_gen") == 100.0  # 1 < warmup_calls=2
-    assert "watchdog.warmup_deadline_s=100" in policy.explain("actor_gen")
+    assert policy.deadline_s("actor_gen", rank=0) == 100.0  # no call yet
+    policy.observe("actor_gen", 0, 30.0)  # a first call that compiled
+    policy.observe("actor_gen", 1, 30.0)
+    assert policy.deadline_s("actor_gen", 0) == 100.0  # rank 0 finished 1 < warmup_calls=2
+    assert policy.explain("actor_gen", 0) == (
+        "watchdog.warmup_deadline_s=100: the rank's call 2, within watchdog.warmup_calls=2")
+    policy.observe("actor_gen", 0, 1.0)
+    # Rank 0 is past its warm-up: 10 x median(30, 30, 1) = 300 s; rank 1 is not.
+    assert (policy.deadline_s("actor_gen", 0), policy.deadline_s("actor_gen", 1)) == (300, 100)
 
 
 def test_the_deadline_is_a_multiple_of_the_median_with_a_floor():
     policy = DeadlinePolicy(CONFIG)
-    policy.observe("actor_gen", 30.0)
-    policy.observe("actor_gen", 1.0)
-    assert policy.deadline_s("actor_gen") == pytest.approx(155.0)  # 10 x median(30, 1) = 10 x 15.5
-    policy.observe("actor_gen", 2.0)
-    assert policy.deadline_s("actor_gen") == pytest.approx(20.0)  # 10 x median(30, 1, 2) = 10 x 2
+    policy.observe("actor_gen", 0, 30.0)
+    policy.observe("actor_gen", 0, 1.0)
+    # 10 x median(30, 1) = 10 x 15.5
+    assert policy.deadline_s("actor_gen", 0) == pytest.approx(155.0)
+    policy.observe("actor_gen", 0, 2.0)
+    # 10 x median(30, 1, 2) = 10 x 2
+    assert policy.deadline_s("actor_gen", 0) == pytest.approx(20.0)
     for _ in range(2):
-        policy.observe("actor_gen", 0.1)
+        policy.observe("actor_gen", 0, 0.1)
     # median(30, 1, 2, 0.1, 0.1) = 1 -> 10 s
-    assert policy.deadline_s("actor_gen") == pytest.approx(10.0)
-    policy.observe("actor_gen", 0.1)
+    assert policy.deadline_s("actor_gen", 0) == pytest.approx(10.0)
+    policy.observe("actor_gen", 0, 0.1)
     # median(30, 1, 2, 0.1, 0.1, 0.1) = (0.1 + 1) / 2 = 0.55 -> 5.5 s
-    assert policy.deadline_s("actor_gen") == pytest.approx(5.5)
-    policy.observe("actor_gen", 0.1)
+    assert policy.deadline_s("actor_gen", 0) == pytest.approx(5.5)
+    policy.observe("actor_gen", 0, 0.1)
     # median(..., 0.1 x 4) = 0.1 -> 1 s, below the floor min_deadline_s=5
-    assert policy.deadline_s("actor_gen") == 5.0
-    assert "median 0.1 s of its last 7 calls" in policy.explain("actor_gen")
-    assert policy.deadline_s("actor_train") == 100.0  # each name has its own history
+    assert policy.deadline_s("actor_gen", 0) == 5.0
+    assert "median 0.1 s of its last 7 calls" in policy.explain("actor_gen", 0)
+    assert policy.deadline_s("actor_train", 0) == 100.0  # each name has its own history
 
 
 def test_the_median_follows_the_last_calls_only():
     policy = DeadlinePolicy(CONFIG)
     for _ in range(MEDIAN_WINDOW):
-        policy.observe("save", 60.0)
-    assert policy.deadline_s("save") == 600.0
+        policy.observe("save", 0, 60.0)
+    assert policy.deadline_s("save", 0) == 600.0
     for _ in range(MEDIAN_WINDOW // 2 + 1):
-        policy.observe("save", 2.0)  # most of the window now: median 2 -> 20 s
-    assert policy.deadline_s("save") == 20.0
+        policy.observe("save", 0, 2.0)  # most of the window now: median 2 -> 20 s
+    assert policy.deadline_s("save", 0) == 20.0
 
 
 def test_calls_in_flight_are_recorded_and_only_replies_count_as_durations():
@@ -78,8 +85,8 @@ def test_calls_in_flight_are_recorded_and_only_replies_count_as_durations():
     with pytest.raises(RuntimeError), calls.track(1, "mfc", "actor_train", step=3):
         raise RuntimeError("the request failed")
     assert calls.by_rank[1] == []
-    assert "1 earlier call(s)" in calls.policy.explain("actor_gen")
-    assert "0 earlier call(s)" in calls.policy.explain("actor_train")
+    assert "the rank's call 2," in calls.policy.explain("actor_gen", 1)  # the reply counted
+    assert "the rank's call 1," in calls.policy.explain("actor_train", 1)  # the failure did not
     with calls.track(0, "exit", "exit", step=None) as call:
         assert call.describe() == "the exit request"
     assert calls.exited == {0}
@@ -146,11 +153,11 @@ def test_the_headline_names_each_late_call_its_ranks_and_each_silent_rank():
     )
     assert headline == (
         "the hang watchdog stopped the run: MFC actor_train (step 7) has run 140.2 s on ranks "
-        "0, 1, past its deadline of 100.0 s (watchdog.warmup_deadline_s=100: 0 earlier call(s), "
-        "fewer than watchdog.warmup_calls=2); weight transfer realloc/actor_gen (step 7) has "
-        "run 101.0 s on rank 3, past its deadline of 100.0 s (watchdog.warmup_deadline_s=100: 0 "
-        "earlier call(s), fewer than watchdog.warmup_calls=2); rank 2, in MFC actor_train (step "
-        "7), answered no heartbeat for 130.4 s (watchdog.heartbeat_timeout_s=120)"
+        "0, 1, past its deadline of 100.0 s (watchdog.warmup_deadline_s=100: the rank's call 1, "
+        "within watchdog.warmup_calls=2); weight transfer realloc/actor_gen (step 7) has run "
+        "101.0 s on rank 3, past its deadline of 100.0 s (watchdog.warmup_deadline_s=100: the "
+        "rank's call 1, within watchdog.warmup_calls=2); rank 2, in MFC actor_train (step 7), "
+        "answered no heartbeat for 130.4 s (watchdog.heartbeat_timeout_s=120)"
     )
 
 
