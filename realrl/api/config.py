@@ -174,6 +174,67 @@ class CheckpointConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    """When the master stops a run that hangs (`realrl.workers.watchdog`)."""
+
+    enabled: bool = help_field(
+        True, "Stop the run, with a diagnosis in <run_dir>/logs/watchdog.txt (the late ranks, "
+        "what each was doing, its Python stack, the end of its log), when an MFC call or "
+        "weight transfer outlives its deadline or a model worker stops answering heartbeats "
+        "(stopped, frozen, its machine gone). false: a hung run waits for ever."
+    )
+    deadline_multiple: float = help_field(
+        10.0, "A call's deadline: this many times the median duration of the last 100 calls of "
+        "the same MFC (or transfer, or checkpoint save), but never below min_deadline_s."
+    )
+    min_deadline_s: float = help_field(
+        600.0, "No call that has run before is stopped sooner, however short its median (a "
+        "recompilation for a new shape, a slow filesystem)."
+    )
+    warmup_calls: int = help_field(
+        3, "The first N calls of each MFC, transfer or save have no median yet; they get "
+        "warmup_deadline_s."
+    )
+    warmup_deadline_s: float = help_field(
+        3600.0, "Deadline of the first warmup_calls calls: room for torch.compile, CUDA graph "
+        "capture, NCCL set-up and a cold page cache."
+    )
+    heartbeat_interval_s: float = help_field(
+        5.0, "How often the master pings every model worker; a thread of the worker answers, "
+        "so a worker busy in a long call still answers."
+    )
+    heartbeat_timeout_s: float = help_field(
+        120.0, "A worker that answers no ping for this long is hung (SIGSTOP, a frozen node, an "
+        "interpreter lock held for ever) and the run stops. Time while the master itself could "
+        "not run (a suspended job) does not count."
+    )
+    collective_timeout_s: float = help_field(
+        1800.0, "torch.distributed timeout of every process group (gloo and NCCL): a collective "
+        "whose peer never arrives raises (NCCL: ends the process) after this long instead of "
+        "blocking for ever. Applies with enabled=false too."
+    )
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = [f"`{prefix}.{name}={getattr(self, name)}` must be > 0 (seconds)."
+                    for name in ("min_deadline_s", "warmup_deadline_s", "heartbeat_interval_s",
+                                 "heartbeat_timeout_s", "collective_timeout_s")
+                    if not getattr(self, name) > 0]
+        if self.deadline_multiple < 1:
+            problems.append(f"`{prefix}.deadline_multiple={self.deadline_multiple}` must be >= 1: "
+                            "below, a call slower than its median would stop the run; try 10.")
+        if self.warmup_calls < 1:
+            problems.append(f"`{prefix}.warmup_calls={self.warmup_calls}` must be >= 1 (the first "
+                            "call of each MFC has no median).")
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            problems.append(
+                f"`{prefix}.heartbeat_timeout_s={self.heartbeat_timeout_s}` must be at least twice "
+                f"`{prefix}.heartbeat_interval_s={self.heartbeat_interval_s}`, or one late ping "
+                f"stops the run; try heartbeat_timeout_s={4 * self.heartbeat_interval_s:g}."
+            )
+        return problems
+
+
+@dataclass
 class BaseExperimentConfig:
     """Keys every experiment has. Experiments subclass this and add their own sections."""
 
@@ -278,6 +339,12 @@ class BaseExperimentConfig:
         "limit, the smaller) divided by the workers on the node.",
     )
 
+    # ---- hangs (`realrl.workers.watchdog`, `realrl.workers.heartbeat`)
+    watchdog: WatchdogConfig = help_field(
+        WatchdogConfig(), "Deadlines of MFC calls, worker heartbeats and collective timeouts: a "
+        "hung run stops with a diagnosis instead of waiting for ever."
+    )
+
     def one_pass_allowed(self) -> bool:
         """Whether `total_train_steps=0` means one pass over the data, every record once, the
         last batch partial (`gen`); the master counts the steps once the data is loaded."""
@@ -339,6 +406,7 @@ class BaseExperimentConfig:
                 f"`worker_memory_gb={self.worker_memory_gb}` must be > 0, or null to use the "
                 "GPU's memory (CPU: the machine's share per worker)."
             )
+        problems += self.watchdog.validate("watchdog")
         return problems
 
     @property

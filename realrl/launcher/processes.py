@@ -15,8 +15,12 @@ How, in layers:
 3. Children call `watch_parent()` as a second line of defence (other kernels, launches
    through wrappers); it also takes down the child's grandchildren.
 
-Stopping sends SIGTERM to every process group, waits `grace_s`, then SIGKILLs every group,
-including groups whose leader already exited but whose grandchildren linger.
+Stopping sends SIGTERM (and SIGCONT, so that a stopped process acts on it) to every process
+group, waits `grace_s`, then SIGKILLs every group, including groups whose leader already exited
+but whose grandchildren linger.
+
+A process that stops the run on purpose and says why in a file (the master's hang watchdog,
+`ProcessSpec.report_path`) has that file shown in place of its log tail.
 """
 
 from __future__ import annotations
@@ -54,17 +58,22 @@ class ProcessSpec:
     log_path: Path
     console_prefix: str = ""
     num_threads: int = 1
+    # A file in which the process explains why it stopped the run; written after it started,
+    # it is what a failure report shows instead of the process's last log lines.
+    report_path: Path | None = None
 
 
 class ProcessFailure(RuntimeError):
     """A supervised process exited non-zero or was killed; the others have been stopped."""
 
-    def __init__(self, name: str, pid: int, returncode: int, log_path: Path, log_tail: list[str]):
+    def __init__(self, name: str, pid: int, returncode: int, log_path: Path, log_tail: list[str],
+                 report: str | None = None):
         self.name = name
         self.pid = pid
         self.returncode = returncode
         self.log_path = log_path
         self.log_tail = log_tail
+        self.report = report  # the process's own account of why it stopped (`report_path`)
         super().__init__(self._describe())
 
     @property
@@ -84,11 +93,12 @@ class ProcessFailure(RuntimeError):
         how = f"exited with code {self.exit_code}"
         if self.signal_name is not None:
             how = f"was killed by {self.signal_name}"
+        headline = (f"process {self.name!r} (pid {self.pid}) {how}; all other processes were "
+                    "stopped.")
+        if self.report is not None:
+            return f"{headline}\n{self.report}"
         tail = "\n".join(f"    {line}" for line in self.log_tail) or "    (no output)"
-        return (
-            f"process {self.name!r} (pid {self.pid}) {how}; all other processes were stopped.\n"
-            f"  last {len(self.log_tail)} lines of {self.log_path}:\n{tail}"
-        )
+        return f"{headline}\n  last {len(self.log_tail)} lines of {self.log_path}:\n{tail}"
 
 
 class SupervisorInterrupted(RuntimeError):
@@ -122,6 +132,7 @@ class _RunningProcess:
     def __init__(self, spec: ProcessSpec, console: Console, tail_lines: int):
         self.spec = spec
         self.log_tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.started_at = time.time()
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(spec.log_path, "a", encoding="utf-8")
         threads = str(spec.num_threads)
@@ -170,6 +181,17 @@ class _RunningProcess:
             os.killpg(self.popen.pid, signal_number)  # the pgid is the child's pid
         except (ProcessLookupError, PermissionError):
             pass  # the whole group is gone already
+
+    def report(self) -> str | None:
+        """The text of `spec.report_path` if this process wrote it (a file from an earlier
+        run, older than this process, is not its report)."""
+        path = self.spec.report_path
+        try:
+            if path is None or path.stat().st_mtime < self.started_at:
+                return None
+            return path.read_text(errors="replace").rstrip()
+        except OSError:
+            return None
 
     def finish_output(self, timeout_s: float = 5.0) -> None:
         """Wait for the last lines to be copied, then close the log file."""
@@ -264,6 +286,7 @@ class ProcessSupervisor:
             returncode,
             process.spec.log_path,
             list(process.log_tail),
+            process.report(),
         )
 
     def stop(self, grace_s: float | None = None) -> None:
@@ -285,6 +308,7 @@ class ProcessSupervisor:
         for process in self._running:
             if process.popen.poll() is None:
                 process.signal_group(signal.SIGTERM)
+                process.signal_group(signal.SIGCONT)  # a stopped process acts on SIGTERM only now
         deadline = time.monotonic() + grace_s
         for process in self._running:
             try:

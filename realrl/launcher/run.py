@@ -98,7 +98,10 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int,
     env = {environment.RUN_DIR: str(run_dir), "PYTHONUNBUFFERED": "1", **openmp_environment()}
     master_env = env if core_share is None else env | {environment.CORE_SHARE_FILE: str(core_share)}
     specs = [ProcessSpec("master", common + ["master"], master_env,
-                         run_dir / "logs" / "master.log", "[master]", num_threads=1)]
+                         run_dir / "logs" / "master.log", "[master]", num_threads=1,
+                         # The hang watchdog's diagnosis (`realrl.workers.hang_report.report_path`;
+                         # not imported: it pulls in torch, which the launcher does without).
+                         report_path=run_dir / "logs" / "watchdog.txt")]
     for worker in plan.workers:
         roles = " ".join(worker.roles) or "idle"
         worker_env = env

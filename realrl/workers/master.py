@@ -8,6 +8,9 @@ splits the batch over the call's data-parallel ranks by tokens, sends one reques
 of the mesh, merges the output keys of the replies back into the step's batch, and runs the
 post-hooks (the EMA reference update).
 
+Every request is recorded, per rank, while it is in flight (`InFlightCalls`: which call, which
+step, since when), for the hang watchdog (`realrl.workers.watchdog`).
+
 With `pipeline_rollout=true` a step is split in two halves, the rollout (every MFC but the train
 ones) and the training, and the master loop runs step i+1's rollout while step i trains
 (`realrl.workers.master_main`), so rollouts are generated with weights one train step old.
@@ -28,11 +31,12 @@ from realrl.workers.realloc import transfer_ranks
 from realrl.workers.rollout_filter import apply_rollout_filter
 from realrl.workers.run_plan import LayoutKey, RunPlan
 from realrl.workers.transport import AsyncClient
+from realrl.workers.watchdog import DeadlinePolicy, InFlightCalls, WatchdogClock
 from realrl.workers.wire import Message
 
 logger = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT_S = 24 * 3600.0
+REQUEST_TIMEOUT_S = 24 * 3600.0  # a last resort: the watchdog's deadlines come far sooner
 
 
 class RolloutError(RuntimeError):
@@ -50,9 +54,14 @@ class StepResult:
 
 
 class Master:
-    def __init__(self, plan: RunPlan, clients: dict[int, AsyncClient]):
+    def __init__(self, plan: RunPlan, clients: dict[int, AsyncClient],
+                 calls: InFlightCalls | None = None):
+        """`calls` is where requests are recorded: the watchdog's, when one guards the run."""
         self.plan = plan
         self.clients = clients
+        if calls is None:
+            calls = InFlightCalls(WatchdogClock(), DeadlinePolicy(plan.base.watchdog))
+        self.calls = calls
         self.rank_locks = {rank: asyncio.Lock() for rank in clients}
         self.role_version = {role: 0 for role in plan.models}
         self.layout_version = {layout: 0 for layout in plan.layouts()}
@@ -302,7 +311,7 @@ class Master:
 
         async def on_rank(rank: int) -> None:
             try:
-                await self._request(rank, Message("transfer", header))
+                await self._request(rank, Message("transfer", header), label, result.step)
             except Exception as error:
                 if not release_locks:
                     raise
@@ -314,8 +323,12 @@ class Master:
         await asyncio.gather(*(on_rank(rank) for rank in transfer_ranks(source, target)))
         result.timing[label] = result.timing.get(label, 0.0) + time.perf_counter() - started
 
-    async def _request(self, rank: int, message: Message) -> Message:
-        reply = await self.clients[rank].request(message, timeout_s=REQUEST_TIMEOUT_S)
+    async def _request(self, rank: int, message: Message, name: str | None = None,
+                       step: int | None = None) -> Message:
+        """Send `message` to `rank` and return its reply; `name` (the MFC or transfer, default
+        the message kind) and `step` say what the call is while it is in flight."""
+        with self.calls.track(rank, message.kind, name or message.kind, step):
+            reply = await self.clients[rank].request(message, timeout_s=REQUEST_TIMEOUT_S)
         return reply.raise_if_error()
 
     async def _forward_ahead(self, mfc: MFCDef, result: StepResult) -> None:
@@ -339,7 +352,9 @@ class Master:
             for rank in allocation.ranks_of_dp_rank(dp_rank):
                 header = ({"mfc": mfc.name, "data": meta, "step": result.step}
                           | ({"ahead": True} if ahead else {}))
-                requests.append(self._request(rank, Message("mfc", header, tensors)))
+                name = f"{mfc.name}/forward" if ahead else mfc.name
+                requests.append(self._request(rank, Message("mfc", header, tensors), name,
+                                              result.step))
                 heads.append(rank in allocation.dp_head_ranks())
         replies = await asyncio.gather(*requests)
         compute_s = max(reply.header.get("compute_s", 0.0) for reply in replies)

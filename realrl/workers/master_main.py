@@ -3,7 +3,9 @@
 One step = one batch from the dataset through the whole graph. Around it: metrics (the MFCs'
 statistics, and what `realrl.workers.samples_log` reads from the step's batch), periodic
 checkpoints (every trained model in Hugging Face format plus optimizer, RNG and data
-position), and recovery from the last complete checkpoint with `recover_mode=auto`.
+position), and recovery from the last complete checkpoint with `recover_mode=auto`. The hang
+watchdog (`realrl.workers.watchdog`) guards all of it: a call past its deadline or a worker
+that stops answering heartbeats ends the run with a diagnosis and `HANG_EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import recovery
 from realrl.workers.core_share import unlink_mapped_share_file
 from realrl.workers.data_source import DataSource, tokenizer_path
+from realrl.workers.hang_report import WorkerProcess
 from realrl.workers.heap_freeze import HeapFreezer
+from realrl.workers.heartbeat import heartbeat_key
 from realrl.workers.master import Master, StepResult
 from realrl.workers.metrics_log import MetricsLogger
 from realrl.workers.rendezvous import Rendezvous
@@ -35,6 +39,7 @@ from realrl.workers.samples_log import (
     train_reward_key,
 )
 from realrl.workers.transport import AsyncClient
+from realrl.workers.watchdog import HANG_EXIT_CODE, HangError, InFlightCalls, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +64,11 @@ def step_metrics(result: StepResult, step_seconds: float, rollout_wait_s: float 
     return metrics
 
 
-async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str]) -> None:
+async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str],
+                     calls: InFlightCalls) -> None:
     secret = load_run_secret(run_dir)
     clients = {rank: AsyncClient(address, secret) for rank, address in addresses.items()}
-    master = Master(plan, clients)
+    master = Master(plan, clients, calls)
     tokenizer = load_tokenizer(tokenizer_path(plan.models))
     data = DataSource(plan, tokenizer)
     if plan.base.total_train_steps == 0:  # `gen`: one pass over the data
@@ -164,10 +170,17 @@ def run_master(run_dir: Path, rendezvous: Rendezvous, world_size: int) -> int:
     plan = RunPlan.from_json(plan_json)
     rendezvous.publish("plan", plan_json)
     addresses = {rank: rendezvous.wait_for(f"worker/{rank}/address") for rank in range(world_size)}
+    workers = {rank: WorkerProcess.from_publication(rendezvous.wait_for(heartbeat_key(rank)))
+               for rank in range(world_size)}
     for rank in range(world_size):
         rendezvous.wait_for(f"worker/{rank}/ready")
     unlink_mapped_share_file()
     logger.info("all %d workers ready", world_size)
-    asyncio.run(_main_loop(run_dir, plan, addresses))
+    watchdog = Watchdog(plan.base.watchdog, run_dir, workers, load_run_secret(run_dir))
+    try:
+        asyncio.run(watchdog.run(_main_loop(run_dir, plan, addresses, watchdog.calls)))
+    except HangError as hang:
+        logger.error("%s", hang)
+        return HANG_EXIT_CODE
     logger.info("run finished: %s", run_dir)
     return 0

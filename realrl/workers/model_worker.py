@@ -1,10 +1,12 @@
 """A model worker: hosts model shards and runs the MFC requests the master sends it.
 
-Start-up, in order: join the rendezvous store and the torch.distributed world (gloo on CPU,
-NCCL on GPU), bind a ZeroMQ server and publish its address in the store, read the run plan
-from the store, create every process group of the plan (all ranks, same order), and build the
-model shards of the layouts this rank belongs to. Then serve requests one at a time: the
-master's per-rank locks guarantee that collectives are entered in the same order on every rank.
+Start-up, in order: join the rendezvous store, read the run plan from it, join the
+torch.distributed world (gloo on CPU, NCCL on GPU; with the plan's collective timeout), bind a
+ZeroMQ server and publish its address in the store, start the heartbeat thread that the
+master's hang watchdog pings (`realrl.workers.heartbeat`), create every process group of the
+plan (all ranks, same order), and build the model shards of the layouts this rank belongs to.
+Then serve requests one at a time: the master's per-rank locks guarantee that collectives are
+entered in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -30,9 +32,15 @@ from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import checkpointing
 from realrl.workers.core_share import CoreShare
 from realrl.workers.heap_freeze import HeapFreezer
+from realrl.workers.heartbeat import HeartbeatResponder, heartbeat_key, install_stack_dump_signal
 from realrl.workers.malloc import retain_freed_memory
 from realrl.workers.memory_watch import MemoryWatch
-from realrl.workers.realloc import ProcessGroups, share_replica_weights, transfer_parameters
+from realrl.workers.realloc import (
+    ProcessGroups,
+    collective_timeout,
+    share_replica_weights,
+    transfer_parameters,
+)
 from realrl.workers.rendezvous import Rendezvous
 from realrl.workers.run_plan import LayoutKey, RunPlan
 from realrl.workers.run_secret import load_run_secret
@@ -243,16 +251,25 @@ def _layout_fields(data: dict) -> dict:
     return {"role": data["role"], "ranks": tuple(data["ranks"]), "strategy": data["strategy"]}
 
 
+def join_world(store: dist.Store, rank: int, world_size: int, plan: RunPlan) -> None:
+    """Join the torch.distributed world of every model worker: NCCL on GPU, gloo on CPU, with
+    the plan's collective timeout (`realrl.workers.realloc.collective_timeout`)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=collective_timeout(plan))
+
+
 def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
     """Run one model worker until the master says `exit` (or the supervisor stops us)."""
     retain_freed_memory()
+    install_stack_dump_signal()
     secret = load_run_secret(os.environ.get(environment.RUN_DIR))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=rendezvous.torch_store("dist"), rank=rank,
-                            world_size=world_size)
+    plan = RunPlan.from_json(rendezvous.wait_for("plan"))  # the master publishes it first
+    join_world(rendezvous.torch_store("dist"), rank, world_size, plan)
     server = Server(f"tcp://{rendezvous.advertised_host}:*", secret)
     rendezvous.publish(f"worker/{rank}/address", server.bound_address)
-    plan = RunPlan.from_json(rendezvous.wait_for("plan"))
+    heartbeat = HeartbeatResponder(rendezvous.advertised_host, secret)
+    rendezvous.publish(heartbeat_key(rank), heartbeat.publication())
     groups = ProcessGroups.create(plan)
     cores = CoreShare.from_environment()
     worker = ModelWorker(rank, plan, groups, cores)
@@ -283,6 +300,7 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
             heap.between_requests(warmed_up=first_run)
     finally:
         heap.close()
+        heartbeat.close()
         server.close()
         if cores is not None:
             cores.close()

@@ -27,6 +27,7 @@ order, so ranks in both the gather group and the broadcast group cannot deadlock
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -138,9 +139,17 @@ def transfer_ranks(source: LayoutKey, target: LayoutKey) -> list[int]:
 # ---------------------------------------------------------------------- process groups
 
 
+def collective_timeout(plan: RunPlan) -> datetime.timedelta:
+    """How long a collective waits for its peers before it raises (`watchdog.collective_timeout_s`):
+    the world group's and every group's below, so a dead or stalled peer ends in an error (gloo)
+    or an aborted process (NCCL's watchdog) instead of a rank blocked for ever."""
+    return datetime.timedelta(seconds=plan.base.watchdog.collective_timeout_s)
+
+
 @dataclass
 class ProcessGroups:
-    """Every process group the plan needs, created identically on all ranks at start-up."""
+    """Every process group the plan needs, created identically on all ranks at start-up, each
+    with the plan's `collective_timeout`."""
 
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     plan: RunPlan | None = None
@@ -167,7 +176,7 @@ class ProcessGroups:
     def _make(self, ranks: list[int]) -> None:
         key = tuple(sorted(ranks))
         if len(key) > 1 and key not in self.by_ranks:
-            self.by_ranks[key] = dist.new_group(list(key))
+            self.by_ranks[key] = dist.new_group(list(key), timeout=collective_timeout(self.plan))
 
     def _trains(self, layout: LayoutKey) -> bool:
         spec = self.plan.models[layout.role]

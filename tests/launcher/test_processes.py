@@ -156,6 +156,56 @@ def test_a_child_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, sup
     assert not _is_alive(supervisor.pids["ignorer"])
 
 
+def test_a_stopped_child_acts_on_sigterm_at_once(tmp_path, supervise):
+    # SIGTERM stays pending in a stopped (SIGSTOP) process; the supervisor continues it, so it
+    # ends on SIGTERM (its handler runs) instead of SIGKILL after the grace period.
+    stopped = _spec(
+        tmp_path,
+        "stopped",
+        """
+        import signal, sys, time
+        def on_sigterm(number, frame):
+            print("stopping on SIGTERM", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, on_sigterm)
+        print("up", flush=True)
+        time.sleep(60)
+        """,
+    )
+    supervisor = supervise([stopped], grace_s=2.0)
+    log = tmp_path / "logs" / "stopped.log"
+    assert _wait_until(lambda: log.exists() and "up" in log.read_text(), 30)
+    os.kill(supervisor.pids["stopped"], signal.SIGSTOP)
+    supervisor.stop()
+
+    assert not _is_alive(supervisor.pids["stopped"])
+    assert log.read_text().splitlines() == ["up", "stopping on SIGTERM"]
+
+
+def test_a_failure_shows_the_report_the_process_wrote_instead_of_its_log_tail(tmp_path,
+                                                                              supervise):
+    stale, fresh = tmp_path / "stale.txt", tmp_path / "fresh.txt"
+    stale.write_text("an old report")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))  # from an earlier run
+    reporter = _spec(tmp_path, "reporter", f"""
+        from pathlib import Path
+        print("a log line")
+        Path({str(fresh)!r}).write_text("why I stopped the run\\nwith details\\n")
+        raise SystemExit(3)
+        """)
+    reporter.report_path = fresh
+    quiet = _spec(tmp_path, "quiet", "print('a log line'); raise SystemExit(4)")
+    quiet.report_path = stale
+
+    with pytest.raises(ProcessFailure) as failure:
+        supervise([reporter]).wait(poll_interval_s=0.05)
+    assert failure.value.report == "why I stopped the run\nwith details"
+    assert str(failure.value).endswith("were stopped.\nwhy I stopped the run\nwith details")
+    with pytest.raises(ProcessFailure) as failure:
+        supervise([quiet]).wait(poll_interval_s=0.05)
+    assert failure.value.report is None and "a log line" in str(failure.value)
+
+
 def test_grandchildren_are_killed_with_their_process_group(tmp_path, supervise):
     grandchild_pid_file = tmp_path / "grandchild.pid"
     grandchild_code = (
