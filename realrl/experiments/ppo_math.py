@@ -129,7 +129,7 @@ class PPOMathConfig(BaseExperimentConfig):
                           output_key_remap=greedy_keys, batch_size=self.dataset.batch_size,
                           microbatch=self.actor_gen.microbatch_spec())
         return [generate, *reward_mfcs(self.reward, self.dataset.batch_size,
-                                       self._reward_microbatches(), greedy)]
+                                       self._reward_microbatches(), greedy, self.rm.offload)]
 
     def _reward_microbatches(self):
         return {name: getattr(self, name).microbatch_spec()
@@ -209,7 +209,8 @@ class PPOMathConfig(BaseExperimentConfig):
         mfcs = [
             mfc("actor_gen", "actor", MFCKind.generate, "ppo_actor", gen_config, PROMPT_KEYS,
                 ROLLOUT_KEYS),
-            *reward_mfcs(self.reward, batch_size, self._reward_microbatches()),
+            *reward_mfcs(self.reward, batch_size, self._reward_microbatches(),
+                         offload_reward_model=self.rm.offload),
             mfc("actor_train", "actor", MFCKind.train_step, "ppo_actor", actor_config,
                 train_inputs, (), post_hooks=actor_train_hooks,
                 forward_keys=forward_keys),

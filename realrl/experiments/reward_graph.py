@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from realrl.api.dfg import MFCDef, MFCKind, MicroBatchSpec
+from realrl.api.dfg import MFCDef, MFCKind, MicroBatchSpec, OffloadHook
 from realrl.api.experiment import ModelKind, ModelRoleConfig, ModelSpec
 from realrl.api.reward_config import RewardConfig, RewardSource
 from realrl.interfaces.configs import RewardSumConfig
@@ -61,9 +61,11 @@ class ScoredSequences:
 
 
 def reward_mfcs(reward: RewardConfig, batch_size: int, microbatch: Mapping[str, MicroBatchSpec],
-                scored: ScoredSequences = ScoredSequences()) -> list[MFCDef]:
+                scored: ScoredSequences = ScoredSequences(),
+                offload_reward_model: bool = False) -> list[MFCDef]:
     """The MFCs that write `scored.output_key`; `microbatch` is keyed by the MFC names
-    `rew_inf`, `rm_inf`, `remote_inf` and `reward_sum` (without suffix)."""
+    `rew_inf`, `rm_inf`, `remote_inf` and `reward_sum` (without suffix).
+    `offload_reward_model` (`rm.offload`) frees the reward model's memory after `rm_inf`."""
     summed = reward.needs_sum()
     mfcs = []
     for source in reward.sources:
@@ -78,6 +80,7 @@ def reward_mfcs(reward: RewardConfig, batch_size: int, microbatch: Mapping[str, 
                              if scored.graph_key(key) != key},
             output_key_remap={"rewards": output} if output != "rewards" else {},
             batch_size=batch_size, microbatch=microbatch[spec.name],
+            post_hooks=[OffloadHook()] if offload_reward_model and spec.role == MODEL_ROLE else [],
         ))
     if summed:
         keys = {source_key(s.value): scored.prefix + source_key(s.value) for s in reward.sources}

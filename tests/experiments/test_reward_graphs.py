@@ -33,6 +33,14 @@ def test_a_reward_model_source_is_role_rm_whose_mfc_writes_the_rewards():
     assert built.models["rm"].config.path == "/models/rw"
 
 
+def test_rm_offload_frees_the_reward_models_memory_after_each_call():
+    from realrl.api.dfg import OffloadHook
+
+    graph = spec("reward.sources=[model]", "rm.offload=true").graph()
+    assert graph.mfcs["rm_inf"].post_hooks == [OffloadHook()]
+    assert spec("reward.sources=[model]").graph().mfcs["rm_inf"].post_hooks == []
+
+
 def test_several_sources_are_summed_with_their_weights_by_reward_sum():
     built = spec("reward.sources=[rule,model,remote]", URL, "reward.rule.weight=0.5",
                  "reward.model.weight=2")
