@@ -168,6 +168,28 @@ class PPOMathConfig(BaseExperimentConfig):
             )
         return problems
 
+    def _notes(self, use_critic: bool, use_ref: bool, rollout_filter: RolloutFilter | None,
+               generation_size: int) -> list[str]:
+        """What `--dry-run` says about the graph beside it: dropped MFCs, a reward model that
+        cannot score, the rollout filter."""
+        notes = []
+        if not use_critic:
+            notes.append("ppo.disable_value=true: critic_inf and critic_train are not in the graph.")
+        if not use_ref:
+            notes.append("ppo.kl_ctl=0: ref_inf is not in the graph.")
+        if RewardSource.model in self.reward.sources and self.rm.path in ("", self.actor.path):
+            notes.append("rm.path is actor.path (or empty): the reward model is the policy with "
+                         "a zero-initialised value head, which scores every response 0; set "
+                         "rm.path to an `rw` run's checkpoint.")
+        if rollout_filter is not None:
+            notes.append(
+                f"rollout filter after {rollout_filter.after_mfc}: keep the best {self.group_size} of "
+                f"{generation_size} responses per prompt"
+                + (", drop prompts whose rewards all agree and refill (dynamic sampling)"
+                   if self.ppo.dynamic_sampling else "")
+            )
+        return notes
+
     def build(self) -> ExperimentSpec:
         use_critic = not self.ppo.disable_value
         use_ref = self.ppo.kl_ctl > 0
@@ -235,21 +257,6 @@ class PPOMathConfig(BaseExperimentConfig):
             models["ref"] = ModelSpec("ref", ModelKind.lm, self.ref)
         if use_critic:
             models["critic"] = ModelSpec("critic", ModelKind.critic, self.critic, trainable=True)
-        notes = []
-        if not use_critic:
-            notes.append("ppo.disable_value=true: critic_inf and critic_train are not in the graph.")
-        if not use_ref:
-            notes.append("ppo.kl_ctl=0: ref_inf is not in the graph.")
-        if RewardSource.model in self.reward.sources and self.rm.path in ("", self.actor.path):
-            notes.append("rm.path is actor.path (or empty): the reward model is the policy with "
-                         "a zero-initialised value head, which scores every response 0; set "
-                         "rm.path to an `rw` run's checkpoint.")
-        if rollout_filter is not None:
-            notes.append(
-                f"rollout filter after {rollout_filter.after_mfc}: keep the best {self.group_size} of "
-                f"{generation_size} responses per prompt"
-                + (", drop prompts whose rewards all agree and refill (dynamic sampling)"
-                   if self.ppo.dynamic_sampling else "")
-            )
+        notes = self._notes(use_critic, use_ref, rollout_filter, generation_size)
         return ExperimentSpec(models, mfcs, self.dataset_kind, PROMPT_KEYS, notes,
                               rollout_filter)

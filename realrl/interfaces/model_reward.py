@@ -12,6 +12,7 @@ call; and optionally clipped to ``[-clip, clip]``.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from realrl.algo.value_norm import ValueNormalizer
 from realrl.api.data import SequenceSample
@@ -62,7 +63,7 @@ class ModelRewardInterface:
         scored.data["rewards"] = rewards
         return MFCResult(data=scored, stats=stats)
 
-    def scores_to_rewards(self, scores: torch.Tensor, process_group
+    def scores_to_rewards(self, scores: torch.Tensor, process_group: dist.ProcessGroup | None
                           ) -> tuple[torch.Tensor, dict[str, float]]:
         """``[num_seqs]`` scores -> ``[num_seqs]`` float32 rewards and statistics; every rank
         of `process_group` must call it (running normalisation all-reduces)."""

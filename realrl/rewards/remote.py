@@ -123,7 +123,7 @@ class RemoteRewardClient:
             return _Failure(f"cannot connect ({error.reason})", CONNECT_FIX, True)
         except TimeoutError:  # while reading the answer
             return _Failure(f"timed out after {self.timeout_s:g} s", TIMEOUT_FIX, True)
-        except (http.client.HTTPException, ConnectionError) as error:
+        except (http.client.HTTPException, OSError) as error:  # reset, closed, TLS, ...
             reason = f"the connection broke ({type(error).__name__}: {error})"
             return _Failure(reason, SERVER_FIX, True)
 

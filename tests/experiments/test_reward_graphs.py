@@ -31,6 +31,12 @@ def test_a_reward_model_source_is_role_rm_whose_mfc_writes_the_rewards():
     assert graph.producers["rewards"] == "rm_inf"
     assert built.models["rm"].kind == ModelKind.critic and not built.models["rm"].trainable
     assert built.models["rm"].config.path == "/models/rw"
+    assert not any("rm.path" in note for note in built.notes)
+
+
+def test_dry_run_notes_that_a_reward_model_from_the_actor_scores_zero():
+    notes = spec("reward.sources=[model]").notes  # rm.path empty: the actor's, a fresh head
+    assert any(note.startswith("rm.path is actor.path (or empty)") for note in notes), notes
 
 
 def test_rm_offload_frees_the_reward_models_memory_after_each_call():
