@@ -438,6 +438,8 @@ def _type_name(annotation: Any) -> str:
         if issubclass(annotation, enum.Enum):
             return " | ".join(member.value for member in annotation)
         return annotation.__name__
+    if typing.get_origin(annotation) is list:  # e.g. `list[RewardSource]`: name the members
+        return f"list[{_type_name(typing.get_args(annotation)[0])}]"
     text = str(annotation).replace("typing.", "")
     return text.replace("NoneType", "None")
 
@@ -485,6 +487,8 @@ def _iter_leaves(config_class: type, prefix: str, section_default: Any) -> Itera
             continue
         if isinstance(default, enum.Enum):
             default = default.value
+        if isinstance(default, list):  # a list of enums shows its values, as YAML holds them
+            default = [item.value if isinstance(item, enum.Enum) else item for item in default]
         yield FieldInfo(key, _type_name(annotation), default, dataclass_field.metadata.get("help", ""))
 
 

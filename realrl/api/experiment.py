@@ -170,6 +170,7 @@ class DatasetKind(str, enum.Enum):
     prompt = "prompt"  # RL: {"prompt", "answer" | "solutions", "task", "input_output"?}
     sft = "sft"  # {"prompt", "answer"}
     paired = "paired"  # {"prompt", "pos_answers", "neg_answers"}
+    chat = "chat"  # RLHF: {"prompt" | "messages", "answer"?, ...}; no answer needed
 
 
 @dataclass

@@ -18,6 +18,7 @@ from realrl.datasets.jsonl import write_jsonl
 
 __all__ = [
     "WRONG_ANSWER_KINDS",
+    "as_chat_records",
     "as_paired_records",
     "as_sft_records",
     "make_arithmetic_records",
@@ -97,6 +98,16 @@ def as_sft_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """SFT form: the completion is the bare answer (the tokenizer's EOS is added at load)."""
     return [
         {"query_id": r["query_id"], "prompt": r["prompt"], "answer": r["answer"]} for r in records
+    ]
+
+
+def as_chat_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat form (ppo-rlhf): each problem is one user turn of ``messages``; the answer and
+    task stay, for a rule reward or a remote service to check."""
+    return [
+        {"query_id": r["query_id"], "messages": [{"role": "user", "content": r["prompt"]}],
+         "answer": r["answer"], "task": r["task"]}
+        for r in records
     ]
 
 

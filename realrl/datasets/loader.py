@@ -11,8 +11,9 @@ mask is exact, and length limits count the template's tokens.
 
 Batches are ``SequenceSample``s keyed as the interfaces expect:
 
-- prompts: ``packed_prompts`` int64 ``[total_prompt_tokens]``, one sequence per sample; ids
-  are query ids; metadata ``answer``, ``solutions``, ``task``, ``input_output``;
+- prompts (RL prompt and chat records alike): ``packed_prompts`` int64
+  ``[total_prompt_tokens]``, one sequence per sample; ids are query ids; metadata ``answer``,
+  ``solutions``, ``task``, ``input_output``;
 - SFT: ``packed_input_ids`` int64 ``[total_tokens]`` and ``prompt_mask`` bool
   ``[total_tokens]`` (True on prompt tokens), one sequence per sample;
 - paired: ``packed_input_ids`` with ``2 * k`` sequences per sample interleaved
@@ -90,6 +91,20 @@ def _drop_long(
     return kept
 
 
+def _prompt_ids(text_format: TextFormat, record: dict[str, Any], source: str) -> list[int]:
+    """A record's ``prompt`` (one user turn), or its ``messages`` (a chat record)."""
+    if "messages" not in record:
+        return text_format.prompt_ids(record["prompt"])
+    try:
+        return text_format.conversation_ids(record["messages"])
+    except ValueError as error:
+        raise DatasetError(
+            f"{source}: record {record.get('query_id')!r}: {error}. Use a tokenizer with a chat "
+            "template (dataset.apply_chat_template=null or true), or give the record as one "
+            "'prompt'"
+        ) from None
+
+
 class PromptDataset:
     """Tokenized RL prompts; records longer than ``max_prompt_len`` tokens are dropped."""
 
@@ -102,7 +117,7 @@ class PromptDataset:
         chat_template: bool = False,
     ) -> None:
         text_format = TextFormat(tokenizer, chat_template)
-        token_ids = [text_format.prompt_ids(r["prompt"]) for r in records]
+        token_ids = [_prompt_ids(text_format, r, source) for r in records]
         pairs = _drop_long(
             list(zip(records, token_ids)),
             [len(t) for t in token_ids],

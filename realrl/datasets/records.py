@@ -11,6 +11,11 @@ query ids must be unique within a file.
 
 SFT::  {"prompt": str, "answer": str}   (``answer`` is the completion the model learns)
 
+Chat prompts (RLHF with a reward model, ppo-rlhf)::
+
+    {"prompt": str} or {"messages": [{"role": "system" | "user" | "assistant", "content": str},
+    ...]} (ending with a user turn), plus any of the RL prompt keys above, none required
+
 Paired (reward modelling, DPO)::
 
     {"prompt": str, "pos_answers": [str], "neg_answers": [str]}   (same non-zero length)
@@ -41,6 +46,8 @@ PROMPT_OPTIONAL = {
     "input_output": str,
     "query_id": (str, int),
 }
+CHAT_OPTIONAL = {"prompt": str, "messages": list, **PROMPT_OPTIONAL}
+CHAT_ROLES = ("system", "user", "assistant")
 SFT_REQUIRED = {"prompt": str, "answer": str}
 PAIRED_REQUIRED = {"prompt": str, "pos_answers": list, "neg_answers": list}
 
@@ -81,6 +88,27 @@ def _check_input_output(text: str | None) -> list[str]:
     return []
 
 
+def check_chat_record(record: dict[str, Any]) -> list[str]:
+    """Problems of a chat prompt record whose keys and types are already valid."""
+    has_prompt, messages = record.get("prompt") is not None, record.get("messages")
+    if has_prompt == (messages is not None):
+        return ["a chat record needs exactly one of 'prompt' (str) and 'messages' (a list of "
+                "{'role', 'content'})"]
+    task = record.get("task")
+    if task is not None and task not in TASKS:
+        return [f"key 'task' must be one of {list(TASKS)}, got {task!r}"]
+    if messages is None:
+        return []
+    for index, message in enumerate(messages):
+        if (not isinstance(message, dict) or message.get("role") not in CHAT_ROLES
+                or not isinstance(message.get("content"), str)):
+            return [f"messages[{index}] must be {{'role': one of {list(CHAT_ROLES)}, 'content': "
+                    f"str}}, got {message!r}"]
+    if not messages or messages[-1]["role"] != "user":
+        return ["'messages' must end with a user turn (the model writes the next, assistant turn)"]
+    return []
+
+
 def check_paired_record(record: dict[str, Any]) -> list[str]:
     positives, negatives = record["pos_answers"], record["neg_answers"]
     if not _is_string_list(positives) or not _is_string_list(negatives):
@@ -101,11 +129,30 @@ def load_prompt_records(path: str | Path) -> list[dict[str, Any]]:
 def iter_prompt_records(path: str | Path) -> Iterator[dict[str, Any]]:
     """`load_prompt_records` one record at a time (in constant memory but for the query ids);
     a `DatasetError` comes after the last record."""
+    records = iter_jsonl(path, PROMPT_REQUIRED, PROMPT_OPTIONAL, check=check_prompt_record)
+    for record in _with_query_ids(path, records):
+        record["task"] = record.get("task") or "math"
+        yield record
+
+
+def load_chat_records(path: str | Path) -> list[dict[str, Any]]:
+    """Chat prompt records with ``query_id`` filled in (see module docstring)."""
+    return list(iter_chat_records(path))
+
+
+def iter_chat_records(path: str | Path) -> Iterator[dict[str, Any]]:
+    """`load_chat_records` one record at a time, as `iter_prompt_records`."""
+    return _with_query_ids(path, iter_jsonl(path, {}, CHAT_OPTIONAL, check=check_chat_record))
+
+
+def _with_query_ids(path: str | Path, records: Iterator[dict[str, Any]]
+                    ) -> Iterator[dict[str, Any]]:
+    """`records` with a ``query_id`` each (``<file stem>-<line>`` where missing); a repeated
+    id is a `DatasetError` after the last record."""
     path = Path(path)
     first_line_of: dict[str, int] = {}
     problems = []
-    for record in iter_jsonl(path, PROMPT_REQUIRED, PROMPT_OPTIONAL, check=check_prompt_record):
-        record["task"] = record.get("task") or "math"
+    for record in records:
         given_id = record.get("query_id")
         query_id = str(given_id) if given_id is not None else f"{path.stem}-{record['_line']}"
         record["query_id"] = query_id

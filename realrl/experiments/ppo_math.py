@@ -1,13 +1,16 @@
 """ppo-math: PPO-family RL on math (and code) prompts with verifiable rewards.
 
-Six MFCs, edges from their keys:
+Six MFCs with the default rule reward, edges from their keys:
 
     actor_gen ──packed_input_ids──► rew_inf, ref_inf, critic_inf, actor_train, critic_train
     rew_inf ──rewards──► actor_train, critic_train
     ref_inf ──packed_ref_logprobs──► actor_train, critic_train
     critic_inf ──values──► actor_train, critic_train
 
-`ppo.disable_value=true` drops the critic MFCs, `ppo.kl_ctl=0` drops `ref_inf`, and
+`reward.sources` swaps `rew_inf` for a reward model (`rm_inf` on role `rm`), an HTTP reward
+service (`remote_inf`), or a weighted sum of several (`reward_sum`; see
+`realrl.experiments.reward_graph`). `ppo.disable_value=true` drops the critic MFCs,
+`ppo.kl_ctl=0` drops `ref_inf`, and
 `ref_ema_eta` adds an EMA post-hook on `actor_train` that moves the reference toward the actor.
 With `ppo.reuse_forward` and one optimizer step per call, `actor_train`'s forward starts as
 soon as `packed_input_ids` exists (`forward_keys`), and `critic_inf`'s forward is the critic's
@@ -35,23 +38,18 @@ from realrl.api.experiment import (
     linked_path_help,
 )
 from realrl.api.registry import register_experiment
+from realrl.api.reward_config import RewardConfig, RewardSource
 from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
-from realrl.interfaces.configs import (
-    PPOActorConfig,
-    PPOCriticConfig,
-    ReferenceConfig,
-    RuleRewardConfig,
+from realrl.experiments.reward_graph import (
+    ScoredSequences,
+    reward_mfcs,
+    reward_roles,
+    rewards_producer,
 )
+from realrl.interfaces.configs import PPOActorConfig, PPOCriticConfig, ReferenceConfig
 
 PROMPT_KEYS = ("packed_prompts",)
 ROLLOUT_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")
-
-
-@dataclass
-class RewardSettings:
-    math_timeout_s: float = help_field(5.0, "Per-answer timeout of the math verifier.")
-    code_timeout_s: float = help_field(5.0, "Per-program wall-clock timeout of the code sandbox.")
-    num_workers: int = help_field(1, "Verifier/sandbox worker processes.")
 
 
 @register_experiment("ppo-math")
@@ -62,7 +60,12 @@ class PPOMathConfig(BaseExperimentConfig):
     key_help: ClassVar[dict[str, str]] = {
         "critic.path": linked_path_help("actor", ", with a zero-initialised value head"),
         "ref.path": linked_path_help("actor"),
+        "rm.path": linked_path_help(
+            "actor", ", with a zero-initialised value head, which scores every response 0: set "
+            "it to an `rw` run's checkpoint"
+        ),
     }
+    dataset_kind: ClassVar[DatasetKind] = DatasetKind.prompt
 
     actor: ModelRoleConfig = help_field(
         ModelRoleConfig(optimizer=OptimizerConfig(lr=2e-4)), "The policy."
@@ -73,6 +76,10 @@ class PPOMathConfig(BaseExperimentConfig):
     )
     ref: ModelRoleConfig = help_field(
         ModelRoleConfig(), "The frozen reference policy; path empty: actor.path."
+    )
+    rm: ModelRoleConfig = help_field(
+        ModelRoleConfig(), "The reward model of `reward.sources=[model]` (frozen): an `rw` run's "
+        "checkpoint, e.g. runs/rw/trial0/checkpoints/step000200/default."
     )
     dataset: DatasetConfig = help_field(
         DatasetConfig(batch_size=16, builtin_train_size=256), "Prompts."
@@ -89,9 +96,17 @@ class PPOMathConfig(BaseExperimentConfig):
         GenerationHyperparameters(max_new_tokens=8), "Generation."
     )
     ppo: PPOHyperparameters = help_field(PPOHyperparameters(), "PPO-family hyperparameters.")
-    reward: RewardSettings = help_field(RewardSettings(), "Rule-based rewards.")
+    reward: RewardConfig = help_field(
+        RewardConfig(), "Where rewards come from: rule, model, remote, or a weighted sum "
+        "(docs/rewards.md)."
+    )
     actor_gen: MFCConfig = help_field(MFCConfig(), "MFC actor_gen.")
-    rew_inf: MFCConfig = help_field(MFCConfig(), "MFC rew_inf.")
+    rew_inf: MFCConfig = help_field(MFCConfig(), "MFC rew_inf (reward.sources has rule).")
+    rm_inf: MFCConfig = help_field(MFCConfig(), "MFC rm_inf (reward.sources has model).")
+    remote_inf: MFCConfig = help_field(MFCConfig(), "MFC remote_inf (reward.sources has remote).")
+    reward_sum: MFCConfig = help_field(
+        MFCConfig(), "MFC reward_sum (several reward sources, or a weight other than 1)."
+    )
     ref_inf: MFCConfig = help_field(MFCConfig(), "MFC ref_inf.")
     critic_inf: MFCConfig = help_field(MFCConfig(), "MFC critic_inf.")
     actor_train: MFCConfig = help_field(MFCConfig(), "MFC actor_train.")
@@ -99,40 +114,39 @@ class PPOMathConfig(BaseExperimentConfig):
 
     def _remax_baseline_mfcs(self, actor_config: PPOActorConfig) -> list[MFCDef]:
         """ReMax (Li et al. 2023): one greedy response per prompt, scored by the same reward,
-        is the baseline. Two more MFCs on the same roles, wired by key remaps."""
+        is the baseline. More MFCs on the same roles, wired by key remaps."""
         greedy_config = dataclasses.replace(
             actor_config, group_size=1, generation_size=1,
             generation=dataclasses.replace(self.gen, greedy=True),
         )
         greedy_keys = {"packed_input_ids": "greedy_input_ids", "prompt_mask": "greedy_prompt_mask",
                        "packed_logprobs": "greedy_logprobs", "seq_no_eos_mask": "greedy_no_eos"}
-        return [
-            MFCDef(name="actor_gen_greedy", model_role="actor", kind=MFCKind.generate,
-                   interface="ppo_actor", interface_config=greedy_config,
-                   input_keys=PROMPT_KEYS, output_keys=tuple(greedy_keys.values()),
-                   output_key_remap=greedy_keys, batch_size=self.dataset.batch_size,
-                   microbatch=self.actor_gen.microbatch_spec()),
-            MFCDef(name="rew_inf_greedy", model_role="reward", kind=MFCKind.inference,
-                   interface="rule_reward", interface_config=RuleRewardConfig(**vars(self.reward)),
-                   input_keys=("greedy_input_ids", "greedy_prompt_mask"),
-                   output_keys=("baseline_rewards",),
-                   input_key_remap={"greedy_input_ids": "packed_input_ids",
-                                    "greedy_prompt_mask": "prompt_mask"},
-                   output_key_remap={"rewards": "baseline_rewards"},
-                   batch_size=self.dataset.batch_size, microbatch=self.rew_inf.microbatch_spec()),
-        ]
+        greedy = ScoredSequences("baseline_rewards", renamed=greedy_keys, suffix="_greedy",
+                                 prefix="greedy_")
+        generate = MFCDef(name="actor_gen_greedy", model_role="actor", kind=MFCKind.generate,
+                          interface="ppo_actor", interface_config=greedy_config,
+                          input_keys=PROMPT_KEYS, output_keys=tuple(greedy_keys.values()),
+                          output_key_remap=greedy_keys, batch_size=self.dataset.batch_size,
+                          microbatch=self.actor_gen.microbatch_spec())
+        return [generate, *reward_mfcs(self.reward, self.dataset.batch_size,
+                                       self._reward_microbatches(), greedy, self.rm.offload)]
+
+    def _reward_microbatches(self):
+        return {name: getattr(self, name).microbatch_spec()
+                for name in ("rew_inf", "rm_inf", "remote_inf", "reward_sum")}
 
     def model_path_links(self) -> dict[str, str]:
         """Empty paths of these roles take the path of another role."""
-        return {"critic": "actor", "ref": "actor"}
+        return {"critic": "actor", "ref": "actor", "rm": "actor"}
 
     def validate(self) -> list[str]:
         problems = super().validate()
         problems += self.dataset.validate("dataset") + self.gen.validate("gen")
-        problems += self.ppo.validate("ppo")
+        problems += self.ppo.validate("ppo") + self.reward.validate("reward")
         problems += self.actor.optimizer.validate("actor.optimizer")
         problems += self.critic.optimizer.validate("critic.optimizer")
-        for name in ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"):
+        for name in ("actor_gen", "rew_inf", "rm_inf", "remote_inf", "reward_sum", "ref_inf",
+                     "critic_inf", "actor_train", "critic_train"):
             problems += getattr(self, name).validate(name)
         for role in ("actor", "critic"):
             if getattr(self, role).offload:
@@ -153,6 +167,28 @@ class PPOMathConfig(BaseExperimentConfig):
                 f"`dataset.batch_size={self.dataset.batch_size}`."
             )
         return problems
+
+    def _notes(self, use_critic: bool, use_ref: bool, rollout_filter: RolloutFilter | None,
+               generation_size: int) -> list[str]:
+        """What `--dry-run` says about the graph beside it: dropped MFCs, a reward model that
+        cannot score, the rollout filter."""
+        notes = []
+        if not use_critic:
+            notes.append("ppo.disable_value=true: critic_inf and critic_train are not in the graph.")
+        if not use_ref:
+            notes.append("ppo.kl_ctl=0: ref_inf is not in the graph.")
+        if RewardSource.model in self.reward.sources and self.rm.path in ("", self.actor.path):
+            notes.append("rm.path is actor.path (or empty): the reward model is the policy with "
+                         "a zero-initialised value head, which scores every response 0; set "
+                         "rm.path to an `rw` run's checkpoint.")
+        if rollout_filter is not None:
+            notes.append(
+                f"rollout filter after {rollout_filter.after_mfc}: keep the best {self.group_size} of "
+                f"{generation_size} responses per prompt"
+                + (", drop prompts whose rewards all agree and refill (dynamic sampling)"
+                   if self.ppo.dynamic_sampling else "")
+            )
+        return notes
 
     def build(self) -> ExperimentSpec:
         use_critic = not self.ppo.disable_value
@@ -186,7 +222,7 @@ class PPOMathConfig(BaseExperimentConfig):
         rollout_filter = None
         if generation_size > self.group_size or self.ppo.dynamic_sampling:
             rollout_filter = RolloutFilter(
-                after_mfc="rew_inf", group_size=self.group_size,
+                after_mfc=rewards_producer(self.reward), group_size=self.group_size,
                 drop_equal_reward_groups=self.ppo.dynamic_sampling,
                 max_rounds=self.ppo.max_generation_rounds if self.ppo.dynamic_sampling else 1,
             )
@@ -195,9 +231,8 @@ class PPOMathConfig(BaseExperimentConfig):
         mfcs = [
             mfc("actor_gen", "actor", MFCKind.generate, "ppo_actor", gen_config, PROMPT_KEYS,
                 ROLLOUT_KEYS),
-            mfc("rew_inf", "reward", MFCKind.inference, "rule_reward",
-                RuleRewardConfig(**vars(self.reward)), ("packed_input_ids", "prompt_mask"),
-                ("rewards",)),
+            *reward_mfcs(self.reward, batch_size, self._reward_microbatches(),
+                         offload_reward_model=self.rm.offload),
             mfc("actor_train", "actor", MFCKind.train_step, "ppo_actor", actor_config,
                 train_inputs, (), post_hooks=actor_train_hooks,
                 forward_keys=forward_keys),
@@ -216,23 +251,12 @@ class PPOMathConfig(BaseExperimentConfig):
                             critic_config, train_inputs, ()))
         models = {
             "actor": ModelSpec("actor", ModelKind.lm, self.actor, trainable=True),
-            "reward": ModelSpec("reward", ModelKind.rule, self.actor),  # actor's tokenizer
+            **reward_roles(self.reward, self.actor, self.rm),  # `reward`: the actor's tokenizer
         }
         if use_ref:
             models["ref"] = ModelSpec("ref", ModelKind.lm, self.ref)
         if use_critic:
             models["critic"] = ModelSpec("critic", ModelKind.critic, self.critic, trainable=True)
-        notes = []
-        if not use_critic:
-            notes.append("ppo.disable_value=true: critic_inf and critic_train are not in the graph.")
-        if not use_ref:
-            notes.append("ppo.kl_ctl=0: ref_inf is not in the graph.")
-        if rollout_filter is not None:
-            notes.append(
-                f"rollout filter after rew_inf: keep the best {self.group_size} of "
-                f"{generation_size} responses per prompt"
-                + (", drop prompts whose rewards all agree and refill (dynamic sampling)"
-                   if self.ppo.dynamic_sampling else "")
-            )
-        return ExperimentSpec(models, mfcs, DatasetKind.prompt, PROMPT_KEYS, notes,
+        notes = self._notes(use_critic, use_ref, rollout_filter, generation_size)
+        return ExperimentSpec(models, mfcs, self.dataset_kind, PROMPT_KEYS, notes,
                               rollout_filter)

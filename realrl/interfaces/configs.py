@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from realrl.api.reward_config import ModelRewardConfig, RemoteRewardConfig, RuleRewardConfig
 from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
 
 
@@ -31,10 +32,10 @@ class ReferenceConfig:
 
 
 @dataclass
-class RuleRewardConfig:
-    math_timeout_s: float = 5.0
-    code_timeout_s: float = 5.0
-    num_workers: int = 1
+class RewardSumConfig:
+    """`rewards = sum of weight * <source>_rewards` over the sources named in `weights`."""
+
+    weights: dict[str, float] = field(default_factory=dict)  # source name -> weight
 
 
 @dataclass
@@ -63,7 +64,10 @@ INTERFACE_CONFIGS: dict[str, type] = {
     "ppo_actor": PPOActorConfig,
     "ppo_critic": PPOCriticConfig,
     "reference": ReferenceConfig,
-    "rule_reward": RuleRewardConfig,
+    "rule_reward": RuleRewardConfig,  # the `reward.<source>` sections, unchanged
+    "model_reward": ModelRewardConfig,
+    "remote_reward": RemoteRewardConfig,
+    "reward_sum": RewardSumConfig,
     "sft": SFTConfig,
     "paired_rw": PairedRewardConfig,
     "dpo": DPOConfig,

@@ -11,10 +11,13 @@ from realrl.interfaces.base import Interface
 from realrl.interfaces.configs import INTERFACE_CONFIGS
 from realrl.interfaces.dpo import DPOInterface
 from realrl.interfaces.generation import GenerationInterface
+from realrl.interfaces.model_reward import ModelRewardInterface
 from realrl.interfaces.paired_rw import PairedRewardInterface
 from realrl.interfaces.ppo_actor import PPOActorInterface
 from realrl.interfaces.ppo_critic import PPOCriticInterface
 from realrl.interfaces.reference import ReferenceInterface
+from realrl.interfaces.remote_reward import RemoteRewardInterface
+from realrl.interfaces.reward_sum import RewardSumInterface
 from realrl.interfaces.rule_reward import RuleRewardInterface
 from realrl.interfaces.sft import SFTInterface
 
@@ -23,6 +26,9 @@ INTERFACES: dict[str, type] = {
     "ppo_critic": PPOCriticInterface,
     "reference": ReferenceInterface,
     "rule_reward": RuleRewardInterface,
+    "model_reward": ModelRewardInterface,
+    "remote_reward": RemoteRewardInterface,
+    "reward_sum": RewardSumInterface,
     "sft": SFTInterface,
     "paired_rw": PairedRewardInterface,
     "dpo": DPOInterface,

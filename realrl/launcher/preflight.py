@@ -43,7 +43,12 @@ from realrl.api.experiment import (
 )
 from realrl.api.rl_config import GenerationHyperparameters
 from realrl.datasets.jsonl import DatasetError
-from realrl.datasets.records import iter_paired_records, iter_prompt_records, iter_sft_records
+from realrl.datasets.records import (
+    iter_chat_records,
+    iter_paired_records,
+    iter_prompt_records,
+    iter_sft_records,
+)
 from realrl.launcher.checkpoint_files import checkpoint_problem, read_model_config
 from realrl.launcher.plan import LaunchPlan, build_plan, workers_without_gpus
 
@@ -135,7 +140,7 @@ def context_problems(config: BaseExperimentConfig, spec: ExperimentSpec) -> list
     if limit is None or dataset is None:
         return []
     positions, source = limit
-    if spec.dataset_kind != DatasetKind.prompt:
+    if spec.dataset_kind not in (DatasetKind.prompt, DatasetKind.chat):
         if dataset.max_seq_len is None:
             dataset.max_seq_len = positions
         elif dataset.max_seq_len > positions:
@@ -190,7 +195,7 @@ def count_records(kind: DatasetKind, path: str, builtin_train_size: int) -> int:
     if not path:
         return builtin_train_size
     iterate = {DatasetKind.prompt: iter_prompt_records, DatasetKind.sft: iter_sft_records,
-               DatasetKind.paired: iter_paired_records}[kind]
+               DatasetKind.paired: iter_paired_records, DatasetKind.chat: iter_chat_records}[kind]
     return sum(1 for _ in iterate(path))
 
 

@@ -82,7 +82,19 @@ class TextFormat:
     def prompt_ids(self, prompt: str) -> list[int]:
         if not self.chat_template:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        messages = [{"role": "user", "content": prompt}]
+        return self.conversation_ids([{"role": "user", "content": prompt}])
+
+    def conversation_ids(self, messages: list[dict]) -> list[int]:
+        """A conversation (``[{"role", "content"}, ...]``, ending with a user turn) plus the
+        assistant header, through the chat template. Without a template only a single user
+        turn has a form: its content as a raw prompt."""
+        if not self.chat_template:
+            if len(messages) != 1 or messages[0]["role"] != "user":
+                raise ValueError(
+                    f"a conversation of {len(messages)} turn(s) needs a chat template to become "
+                    "a prompt, and this run formats prompts without one"
+                )
+            return self.prompt_ids(messages[0]["content"])
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )

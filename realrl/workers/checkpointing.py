@@ -118,7 +118,7 @@ def config_to_save(
     """`config`, plus the token the run's answers end with among the EOS ids of a language
     model trained on answers (SFT, DPO: `dataset_kind` sft or paired) when its checkpoint did
     not list it."""
-    if config.is_critic or dataset_kind == DatasetKind.prompt:
+    if config.is_critic or dataset_kind in (DatasetKind.prompt, DatasetKind.chat):
         return config
     chat = resolve_chat_template(apply_chat_template, tokenizer, tokenizer.name_or_path)
     end = TextFormat(tokenizer, chat).end_token_id

@@ -13,7 +13,12 @@ import logging
 
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import DatasetKind, ModelKind, ModelSpec
-from realrl.datasets.arithmetic import as_paired_records, as_sft_records, make_arithmetic_splits
+from realrl.datasets.arithmetic import (
+    as_chat_records,
+    as_paired_records,
+    as_sft_records,
+    make_arithmetic_splits,
+)
 from realrl.datasets.loader import (
     EpochIterator,
     PairedDataset,
@@ -23,7 +28,12 @@ from realrl.datasets.loader import (
     make_prompt_batch,
     make_sft_batch,
 )
-from realrl.datasets.records import load_paired_records, load_prompt_records, load_sft_records
+from realrl.datasets.records import (
+    load_chat_records,
+    load_paired_records,
+    load_prompt_records,
+    load_sft_records,
+)
 from realrl.models.tokenizer import load_tokenizer, resolve_chat_template
 from realrl.workers.run_plan import RunPlan
 
@@ -46,6 +56,8 @@ def builtin_records(kind: DatasetKind, split: str = "train",
         return as_sft_records(records)
     if kind == DatasetKind.paired:
         return as_paired_records(records, seed=BUILTIN_DATA_SEED)
+    if kind == DatasetKind.chat:
+        return as_chat_records(records)
     return records
 
 
@@ -55,7 +67,7 @@ def load_records(kind: DatasetKind, path: str, builtin_train_size: int = BUILTIN
     if not path:
         return builtin_records(kind, train_size=builtin_train_size)
     loader = {DatasetKind.prompt: load_prompt_records, DatasetKind.sft: load_sft_records,
-              DatasetKind.paired: load_paired_records}[kind]
+              DatasetKind.paired: load_paired_records, DatasetKind.chat: load_chat_records}[kind]
     return loader(path)
 
 
@@ -80,7 +92,7 @@ class DataSource:
         source = settings.path or "built-in arithmetic data"
         chat = resolve_chat_template(settings.apply_chat_template, tokenizer,
                                      tokenizer.name_or_path)
-        if plan.dataset_kind == DatasetKind.prompt:
+        if plan.dataset_kind in (DatasetKind.prompt, DatasetKind.chat):
             self.dataset = PromptDataset(records, tokenizer, settings.max_prompt_len, source, chat)
             self._make_batch = make_prompt_batch
         elif plan.dataset_kind == DatasetKind.sft:

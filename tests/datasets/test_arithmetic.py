@@ -140,3 +140,16 @@ def test_written_files_pass_the_dataset_loaders(tmp_path):
     assert len(prompts) == 30 and prompts[0]["query_id"] == "train-0"
     assert len(load_sft_records(paths["sft_eval"])) == 10
     assert load_paired_records(paths["paired_train"])[0]["pos_answers"] == [prompts[0]["answer"]]
+
+
+def test_the_builtin_chat_records_are_the_prompt_records_as_one_user_turn():
+    from realrl.api.experiment import DatasetKind
+    from realrl.workers.data_source import builtin_records
+
+    prompts = builtin_records(DatasetKind.prompt, train_size=3)
+    chats = builtin_records(DatasetKind.chat, train_size=3)
+    assert chats == [
+        {"query_id": p["query_id"], "messages": [{"role": "user", "content": p["prompt"]}],
+         "answer": p["answer"], "task": "math"}
+        for p in prompts
+    ]

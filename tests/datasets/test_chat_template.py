@@ -4,10 +4,13 @@ and paired answers end with the template's end-of-turn token behind an exact pro
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import pytest
 
 from realrl.api.config import ConfigError
+from realrl.datasets.jsonl import DatasetError
 from realrl.datasets.loader import (
     PairedDataset,
     PromptDataset,
@@ -15,6 +18,7 @@ from realrl.datasets.loader import (
     make_paired_batch,
     make_sft_batch,
 )
+from realrl.datasets.records import load_chat_records
 from realrl.models.tokenizer import (
     TextFormat,
     build_char_tokenizer,
@@ -122,3 +126,53 @@ def test_apply_chat_template_setting_resolves_against_the_tokenizer(chat_tokeniz
         ConfigError, match=r"dataset.apply_chat_template=true.*in /ckpt has no chat template"
     ):
         resolve_chat_template(True, char_tokenizer, "/ckpt")
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer with a number."},
+    {"role": "user", "content": "What is 1+1?"},
+    {"role": "assistant", "content": "2"},
+    {"role": "user", "content": "And 2+2?"},
+]
+
+
+def test_chat_records_give_a_conversation_or_a_prompt_and_no_answer(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n"
+                    + json.dumps({"prompt": "Say hi.", "query_id": 7}) + "\n")
+    records = load_chat_records(path)
+    assert [record["query_id"] for record in records] == ["chat-1", "7"]
+    assert records[0]["messages"] == CONVERSATION and records[1]["prompt"] == "Say hi."
+
+
+@pytest.mark.parametrize(("record", "problem"), [
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "exactly one of"),
+    ({"answer": "2"}, "exactly one of"),
+    ({"messages": CONVERSATION[:3]}, "'messages' must end with a user turn"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0] must be {'role': one of"),
+    ({"messages": "hi"}, "key 'messages' must be list"),
+    ({"prompt": "hi", "task": "poetry"}, "key 'task' must be one of"),
+])
+def test_a_malformed_chat_record_is_named_by_file_and_line(tmp_path, record, problem):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:1: ") + ".*" + re.escape(problem)):
+        load_chat_records(path)
+
+
+def test_a_conversation_goes_through_the_chat_template_whole(chat_tokenizer):
+    dataset = PromptDataset([{"query_id": "c", "messages": CONVERSATION}], chat_tokenizer,
+                            chat_template=True)
+    expected = chat_tokenizer.apply_chat_template(
+        CONVERSATION, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert dataset.prompt_token_ids[0] == list(expected)
+    assert chat_tokenizer.decode(expected).endswith(
+        "<|im_start|>user\nAnd 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_without_a_template_one_user_turn_is_a_raw_prompt_and_a_conversation_an_error(tokenizer):
+    one_turn = [{"query_id": "u", "messages": [{"role": "user", "content": "1+2="}]}]
+    dataset = PromptDataset(one_turn, tokenizer, chat_template=False)
+    assert dataset.prompt_token_ids[0] == tokenizer.encode("1+2=")
+    with pytest.raises(DatasetError, match="record 'c': a conversation of 4 turn"):
+        PromptDataset([{"query_id": "c", "messages": CONVERSATION}], tokenizer, source="chat.jsonl")

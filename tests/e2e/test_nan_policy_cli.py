@@ -3,8 +3,8 @@
 The non-finite values come from real components: a tiny model with one weight set to inf
 (its final norm's first entry), so every hidden state, loss and reward-model score it
 computes is NaN. As the policy is trained on (sft) it gives a NaN loss and gradient norm; as
-the reward model of `examples/custom_experiment.py` (`reward_source=model`) it gives NaN
-rewards, on which PPO then trains.
+the reward model of ppo-math (`reward.sources=[model]`) it gives NaN rewards, on which PPO
+then trains.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from e2e_helpers import REPO_ROOT, describe, read_metrics, run_cli
+from e2e_helpers import describe, read_metrics, run_cli
 from safetensors.torch import load_file, save_file
 
 
@@ -55,26 +55,25 @@ def test_skip_keeps_the_weights_on_every_rank_and_counts_the_steps(inf_model, cl
     assert all(torch.equal(saved[name], initial[name]) for name in initial if name in saved)
 
 
-PPO_RM = ["--import", str(REPO_ROOT / "examples" / "custom_experiment.py"),
-          "reward_source=model", "dataset.batch_size=4", "group_size=2", "gen.max_new_tokens=6",
-          "total_train_steps=1", "n_devices_per_node=2"]
+PPO_RM = ["reward.sources=[model]", "dataset.batch_size=4", "group_size=2",
+          "gen.max_new_tokens=6", "total_train_steps=1", "n_devices_per_node=2"]
 
 
 def test_a_nan_reward_stops_where_it_appears(tiny_model, inf_model, cli_env, tmp_path):
-    result = run_cli("ppo-math-rm", [*PPO_RM, f"actor.path={tiny_model}", f"rm.path={inf_model}",
-                                     f"output_root={tmp_path}"], cli_env)
+    result = run_cli("ppo-math", [*PPO_RM, f"actor.path={tiny_model}", f"rm.path={inf_model}",
+                                  f"output_root={tmp_path}"], cli_env)
     assert result.returncode != 0, describe(result)
     output = result.stderr + result.stdout
     assert "NonFiniteError: step 1, MFC rm_inf, role rm, rank" in output, describe(result)
-    assert "output `rm_scores` holds" in output and "nan_policy=stop" in output
+    assert "output `rewards` holds" in output and "nan_policy=stop" in output
 
 
 @pytest.mark.slow
 def test_a_nan_reward_under_skip_skips_the_steps_that_train_on_it(
     tiny_model, inf_model, cli_env, tmp_path
 ):
-    result = run_cli("ppo-math-rm", [*PPO_RM, f"actor.path={tiny_model}", f"rm.path={inf_model}",
-                                     "nan_policy=skip", f"output_root={tmp_path}"], cli_env)
+    result = run_cli("ppo-math", [*PPO_RM, f"actor.path={tiny_model}", f"rm.path={inf_model}",
+                                  "nan_policy=skip", f"output_root={tmp_path}"], cli_env)
     assert result.returncode == 0, describe(result)
-    (record,) = read_metrics(tmp_path / "ppo-math-rm" / "trial0")
+    (record,) = read_metrics(tmp_path / "ppo-math" / "trial0")
     assert record["actor_train/skipped_steps"] == 1 and record["critic_train/skipped_steps"] == 1
