@@ -159,3 +159,8 @@ def _remote_problems(remote: RemoteRewardConfig, prefix: str) -> list[str]:
         problems.append(f"`{prefix}.max_items_per_request={remote.max_items_per_request}` must "
                         "be >= 1, or null for one request per call.")
     return problems
+
+
+def source_key(source: str) -> str:
+    """The batch key of one source's rewards, e.g. ``rule_rewards``."""
+    return f"{source}_rewards"

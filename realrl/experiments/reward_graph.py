@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 from realrl.api.dfg import MFCDef, MFCKind, MicroBatchSpec, OffloadHook
 from realrl.api.experiment import ModelKind, ModelRoleConfig, ModelSpec
-from realrl.api.reward_config import RewardConfig, RewardSource
+from realrl.api.reward_config import RewardConfig, RewardSource, source_key
 from realrl.interfaces.configs import RewardSumConfig
-from realrl.interfaces.reward_sum import source_key
 
 RULE_ROLE, MODEL_ROLE = "reward", "rm"
 SUM_MFC = "reward_sum"

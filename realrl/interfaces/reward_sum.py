@@ -12,14 +12,10 @@ import torch
 
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
+from realrl.api.reward_config import source_key
 from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import require_keys, unsupported_call
 from realrl.interfaces.configs import RewardSumConfig
-
-
-def source_key(source: str) -> str:
-    """The batch key of one source's rewards, e.g. ``rule_rewards``."""
-    return f"{source}_rewards"
 
 
 class RewardSumInterface:

@@ -153,15 +153,16 @@ async def _dump_to_log(pid: int, log_path: Path) -> str:
         os.kill(pid, STACK_DUMP_SIGNAL)
     except OSError:
         return ""
-    text, waited_s = "", 0.0
+    text, waited_s, unchanged_polls = "", 0.0, 0
     while waited_s < LOG_DUMP_WAIT_S:
         await asyncio.sleep(0.5)
         waited_s += 0.5
         with open(log_path, "rb") as log:
             log.seek(offset)
             grown = log.read().decode(errors="replace")
-        if grown and grown == text:  # nothing more for half a second: the dump is complete
-            break
+        unchanged_polls = unchanged_polls + 1 if grown and grown == text else 0
+        if unchanged_polls == 2:  # nothing more for a second: the dump is complete (a loaded
+            break  # machine can pause the writer between threads for half a second)
         text = grown
     return text
 

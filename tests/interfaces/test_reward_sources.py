@@ -9,15 +9,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from interface_helpers import EOS_ID, build_model, make_engine
+from rank_processes import start_ranks
 
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
@@ -122,10 +121,8 @@ def test_running_normalisation_uses_every_score_so_far_on_every_rank(tmp_path):
     assert single[0] == pytest.approx(step_1, abs=1e-6)
     assert single[1] == pytest.approx(step_2, abs=1e-6)
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     output = str(tmp_path / "rewards")
-    mp.start_processes(_running_worker, args=(str(tmp_path / "rendezvous"), output), nprocs=2,
-                       start_method="fork")  # no re-import of torch and realrl per rank
+    start_ranks(_running_worker, (str(tmp_path / "rendezvous"), output), 2)
     ranks = [json.loads(Path(f"{output}.rank{rank}").read_text()) for rank in range(2)]
     assert ranks[0][0] + ranks[1][0] == pytest.approx(step_1, abs=1e-6)  # rank 0 has 1, 2
     assert ranks[0][1] + ranks[1][1] == pytest.approx(step_2, abs=1e-6)  # rank 0 has 0

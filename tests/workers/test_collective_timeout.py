@@ -6,11 +6,11 @@ data-parallel group, then on the world group, while rank 1, alive, enters neithe
 the timeout each would wait torch's default 30 minutes.
 """
 
-import multiprocessing
 import os
 
 import torch
 import torch.distributed as dist
+from rank_processes import environment_for_ranks, rank_context, run_rank
 
 from realrl.api.allocation import DeviceMesh, MFCAllocation, ParallelStrategy
 from realrl.api.config import BaseExperimentConfig, WatchdogConfig
@@ -65,10 +65,11 @@ def rank_main(rank: int, store_path: str, results, rank0_done) -> None:
 
 
 def test_a_collective_without_its_peer_raises_after_the_configured_timeout(tmp_path):
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results, rank0_done = context.Queue(), context.Event()
-    processes = [context.Process(target=rank_main,
-                                 args=(rank, str(tmp_path / "store"), results, rank0_done))
+    processes = [context.Process(target=run_rank, args=(rank, rank_main, environment_for_ranks(),
+                                                        str(tmp_path / "store"), results,
+                                                        rank0_done))
                  for rank in (0, 1)]
     for process in processes:
         process.start()

@@ -27,17 +27,21 @@ CHILD = textwrap.dedent("""
     import ctypes, sys, time
     from realrl.workers.heartbeat import HeartbeatResponder, install_stack_dump_signal
 
+    def announce():  # from inside the busy function, so any stack taken after it shows it
+        print("up", file=sys.stderr, flush=True)
+        print(responder.publication(), flush=True)
+
     def sleep_in_a_long_call():
+        announce()
         time.sleep(600)
 
     def hold_the_interpreter_lock():
+        announce()
         while True:  # libc's sleep through PyDLL keeps the lock; SIGUSR2 interrupts it
             ctypes.PyDLL(None).sleep(600)
 
     install_stack_dump_signal()
     responder = HeartbeatResponder("127.0.0.1", bytes.fromhex(sys.argv[1]))
-    print("up", file=sys.stderr, flush=True)
-    print(responder.publication(), flush=True)
     {busy}()
 """)
 
