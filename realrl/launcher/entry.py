@@ -5,7 +5,9 @@
 
 The master hosts the rendezvous store at HOST:PORT; workers connect to it. Under srun a worker
 omits --rank (it is $SLURM_PROCID) and passes --devices-per-node D, so that it can check its
-placement against the launch plan (see `realrl.launcher.slurm_task`).
+placement against the launch plan (see `realrl.launcher.slurm_task`). The master takes SIGUSR1 as
+a request to checkpoint and stop, from its first line on; workers ignore it
+(`realrl.workers.preemption`).
 """
 
 from __future__ import annotations

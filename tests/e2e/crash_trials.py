@@ -120,6 +120,12 @@ def _landed(run_dir: Path, target: int) -> str:
     return "pruning" if half_pruned or len(steps) > 2 else "after"
 
 
+def _resumed_step(log: Path, offset: int) -> int | None:
+    """The step a launch whose log lines start at `offset` resumed at, once it says so."""
+    found = _RESUMED.findall(log.read_text()[offset:])
+    return int(found[0][1]) if found else None
+
+
 def crash_chain(kills: int, settings: list[str], reference_dir: Path, output_root: Path,
                 env: dict[str, str], rng: random.Random,
                 report: Callable[[str], None] = lambda line: None) -> list[KillOutcome]:
@@ -130,26 +136,25 @@ def crash_chain(kills: int, settings: list[str], reference_dir: Path, output_roo
     window_s = KILL_WINDOW_SAVES * save_seconds(reference_dir)
     common = [*settings, *CHAIN, f"output_root={output_root}"]
     outcomes: list[KillOutcome] = []
-    newest = 0
+    newest, log = 0, run_dir / "logs" / "master.log"
     try:
         for trial in range(kills + 1):
-            log = run_dir / "logs" / "master.log"
             log_offset = log.stat().st_size if log.is_file() else 0
             recover = "recover_mode=auto" if trial == 0 else "recover_mode=resume"
             launcher = start_cli("ppo-math", [*common, recover], env,
                                  output_root / "launches" / str(trial))
+            if trial > 0:  # it must resume from the newest complete checkpoint, and only then
+                # watch for a `.tmp`: the one the last kill left is removed before the resume
+                wait_until(lambda offset=log_offset: _resumed_step(log, offset) is not None, 300,
+                           f"launch {trial} to resume", launcher)
+                resumed = _resumed_step(log, log_offset)
+                assert resumed == newest, f"launch {trial} resumed at {resumed}, not {newest}"
             if trial == kills:  # the last launch runs to the end
                 stderr = output_root / "launches" / str(trial) / "stderr.txt"
                 assert launcher.wait(timeout=600) == 0, stderr.read_text()[-4000:]
-            else:
-                target = min(newest + rng.choice((1, 2)), total_steps - 1)
-                delay_s = _kill_during_save(launcher, run_dir, target, window_s, rng)
-            if trial > 0:  # this launch must have resumed from the newest complete checkpoint
-                resumed = _RESUMED.findall(log.read_text()[log_offset:])
-                assert resumed and int(resumed[0][1]) == newest, (
-                    f"launch {trial} resumed from {resumed}, not from step {newest}")
-            if trial == kills:
                 break
+            target = min(newest + rng.choice((1, 2)), total_steps - 1)
+            delay_s = _kill_during_save(launcher, run_dir, target, window_s, rng)
             landed, newest = _landed(run_dir, target), complete_steps(run_dir)[-1]
             assert newest in (target - 1, target), (
                 f"kill {trial + 1} at step {target}: newest complete checkpoint is {newest}")
