@@ -90,13 +90,19 @@ async def save(master, data, run_dir: Path, step: int) -> Path:
         raise CheckpointWriteError(problem) from error
     logger.info("saved checkpoint %s (%.1f MB in %.2f s)", final, _size_bytes(final) / 1e6,
                 time.perf_counter() - started)
-    if settings.keep_last:
-        for old in complete_checkpoints(run_dir)[: -settings.keep_last]:
-            doomed = old.with_name(old.name + ".deleting")
-            old.rename(doomed)  # no longer complete, whatever happens to the rmtree
-            shutil.rmtree(doomed, ignore_errors=True)
-            logger.info("deleted checkpoint %s (checkpoint.keep_last=%d)", old, settings.keep_last)
+    prune(run_dir, settings.keep_last)
     return final
+
+
+def prune(run_dir: Path, keep_last: int | None) -> None:
+    """Delete all but the `keep_last` newest complete checkpoints (none when 0 or None)."""
+    if not keep_last:
+        return
+    for old in complete_checkpoints(run_dir)[:-keep_last]:
+        doomed = old.with_name(old.name + ".deleting")
+        old.rename(doomed)  # no longer complete, whatever happens to the rmtree
+        shutil.rmtree(doomed, ignore_errors=True)
+        logger.info("deleted checkpoint %s (checkpoint.keep_last=%d)", old, keep_last)
 
 
 def _write_durably(path: Path, text: str) -> None:
