@@ -208,12 +208,13 @@ def test_two_step_run_under_slurm_writes_the_same_run_directory_as_local_mode(
                                                              rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_usr1_before_the_time_limit_checkpoints_and_recover_mode_auto_resubmits(tmp_path):
     """`scancel --batch --signal=USR1` is what SLURM does `slurm.preempt_lead_s` seconds before
     the time limit (`#SBATCH --signal=B:USR1@N`). A job stopped with a newer checkpoint is
     resubmitted without using up a retry (`recover_retries=0`)."""
     run_dir = tmp_path / "sft" / "trial0"
-    process = start_cli(tmp_path, "sft", *CPU_JOB, "total_train_steps=300", "recover_mode=auto",
+    process = start_cli(tmp_path, "sft", *CPU_JOB, "total_train_steps=60", "recover_mode=auto",
                         "recover_retries=0")
     assert wait_until(lambda: len(metric_steps(run_dir)) >= 2, timeout_s=180), \
         (tmp_path / "stdout.txt").read_text()[-3000:]
@@ -229,10 +230,11 @@ def test_usr1_before_the_time_limit_checkpoints_and_recover_mode_auto_resubmits(
     assert "realrl: step master stopped with a checkpoint (preempted)" in job_output
     resumed = re.search(r"resumed from \S+/step(\d+) at step (\d+)",
                         (run_dir / "logs" / "master.log").read_text())
-    assert resumed and 2 <= int(resumed[2]) < 300, "the job finished before the signal"
-    assert metric_steps(run_dir) == list(range(1, 301))
+    assert resumed and 2 <= int(resumed[2]) < 60, "the job finished before the signal"
+    assert metric_steps(run_dir) == list(range(1, 61))
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_the_job_with_a_checkpoint_and_names_the_resume_command(
         tmp_path):
     run_dir = tmp_path / "sft" / "trial0"
