@@ -336,8 +336,8 @@ def run_on_slurm(config: BaseExperimentConfig) -> int:
                 sys.stderr.write(f"{preemption_message(plan.run_dir, how)}\n")
                 return PREEMPTED_EXIT_CODE
             sys.stderr.write(f"error: {describe_failure(config, job_id, status)}\n")
-            if retries_used == retries:
-                return 1
+            if retries_used == retries or stop.signal_number is not None:
+                return 1  # no retries left, or the user asked the run to stop
             retries_used += 1
             sys.stderr.write(f"recover_mode=auto: resubmitting (retry {retries_used} of "
                              f"{retries})\n")
