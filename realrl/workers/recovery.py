@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 from realrl.workers.checkpoint_disk import fsync_path, out_of_space, write_failure_reason
-from realrl.workers.wire import RemoteError
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +70,8 @@ def discard_incomplete(run_dir: Path) -> None:
 async def save(master, data, run_dir: Path, step: int) -> Path:
     """Write the checkpoint after `step` steps; returns its directory. Raises
     `CheckpointWriteError` (the `.tmp` directory removed) when it cannot be written."""
+    from realrl.workers.wire import RemoteError  # here: the launcher lists checkpoints torch-free
+
     root = checkpoint_root(run_dir)
     final = root / f"step{step:06d}"
     staging = root / f"step{step:06d}.tmp"
@@ -116,7 +117,7 @@ def _write_durably(path: Path, text: str) -> None:
 
 def _describe_failed_save(error: BaseException, final: Path, staging: Path, run_dir: Path) -> str:
     """One line: what could not be written, why, what is left, and what to do."""
-    reason = str(error) if isinstance(error, RemoteError) else write_failure_reason(error, staging)
+    reason = str(error) if not isinstance(error, OSError) else write_failure_reason(error, staging)
     previous = latest_complete_checkpoint(run_dir)
     kept = (f"the previous checkpoint {previous} is intact" if previous is not None
             else "there is no earlier checkpoint")
