@@ -142,6 +142,14 @@ class SlurmConfig:
         None, "Python interpreter on the nodes (default: the launcher's own; 'python3' in a "
         "container)."
     )
+    preempt_lead_s: int = help_field(
+        300, "Seconds before the job's time limit at which SLURM sends the batch script USR1 "
+        "(`#SBATCH --signal=B:USR1@N`; also at preemption where the cluster sets "
+        "PreemptParameters=send_user_signal): the run finishes its step, writes a checkpoint "
+        "and the job ends with exit code 75; with recover_mode=auto the launcher resubmits it. "
+        "Must cover one step plus one checkpoint save. 0: no signal (the job is killed at its "
+        "time limit)."
+    )
 
 
 class DType(str, enum.Enum):

@@ -5,7 +5,9 @@
 
 The master hosts the rendezvous store at HOST:PORT; workers connect to it. Under srun a worker
 omits --rank (it is $SLURM_PROCID) and passes --devices-per-node D, so that it can check its
-placement against the launch plan (see `realrl.launcher.slurm_task`).
+placement against the launch plan (see `realrl.launcher.slurm_task`). The master takes SIGUSR1 as
+a request to checkpoint and stop, from its first line on; workers ignore it
+(`realrl.workers.preemption`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 from realrl.launcher.processes import apply_thread_limit, install_worker_logging, watch_parent
+from realrl.workers.preemption import PreemptionRequest, ignore_preemption_signal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--devices-per-node", type=int,
                         help="under srun: check rank -> (node, device) placement against it")
     args = parser.parse_args(argv)
+    preemption = PreemptionRequest()
+    if args.role == "master":
+        preemption.install()  # first: a stop asked for during start-up is kept for later
+    else:
+        ignore_preemption_signal()
 
     install_worker_logging()
     apply_thread_limit()
@@ -43,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         from realrl.workers.master_main import run_master
 
         rendezvous = Rendezvous(host, int(port), is_host=True)
-        return run_master(args.run_dir, rendezvous, args.world_size)
+        return run_master(args.run_dir, rendezvous, args.world_size, preemption)
     from realrl.launcher import slurm_task
     from realrl.workers.model_worker import serve
 

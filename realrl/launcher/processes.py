@@ -21,11 +21,18 @@ but whose grandchildren linger.
 
 A process that stops the run on purpose and says why in a file (the master's hang watchdog,
 `ProcessSpec.report_path`) has that file shown in place of its log tail.
+
+Graceful stop: a process whose spec names a `graceful_stop_signal` (the master: SIGUSR1) can
+be asked to checkpoint and exit. SIGTERM or SIGUSR1 to the supervisor is then forwarded to it
+as that signal instead of stopping everything; when it exits with `PREEMPTED_EXIT_CODE`, the
+supervisor lets the others finish and raises `RunPreempted`. A second SIGTERM, or Ctrl-C,
+stops everything at once as before.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import os
@@ -40,6 +47,7 @@ from typing import IO
 
 from realrl.api import environment
 from realrl.launcher.console import Console
+from realrl.workers.preemption import PREEMPTED_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,8 @@ class ProcessSpec:
     # A file in which the process explains why it stopped the run; written after it started,
     # it is what a failure report shows instead of the process's last log lines.
     report_path: Path | None = None
+    # The signal that asks this process to checkpoint and exit with PREEMPTED_EXIT_CODE.
+    graceful_stop_signal: int | None = None
 
 
 class ProcessFailure(RuntimeError):
@@ -109,6 +119,20 @@ class SupervisorInterrupted(RuntimeError):
         self.exit_code = 128 + signal_number
         name = signal.Signals(signal_number).name
         super().__init__(f"supervisor received {name}; all processes were stopped")
+
+
+class RunPreempted(RuntimeError):
+    """A process asked to stop gracefully (`graceful_stop_signal`) did: it wrote a checkpoint
+    and exited with `PREEMPTED_EXIT_CODE`; the others have finished or been stopped."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+    def __init__(self, name: str, signal_number: int | None):
+        self.name = name
+        self.signal_number = signal_number
+        asked = (f"the supervisor received {signal.Signals(signal_number).name}"
+                 if signal_number is not None else "it was signalled directly")
+        super().__init__(f"process {name!r} stopped gracefully ({asked})")
 
 
 def _parent_death_signal_setter(parent_pid: int):
@@ -231,6 +255,7 @@ class ProcessSupervisor:
         self._log_tail_lines = log_tail_lines
         self._running: list[_RunningProcess] = []
         self._stopped = False
+        self._stop_requested_by: int | None = None  # the signal that asked for a graceful stop
 
     @property
     def pids(self) -> dict[str, int]:
@@ -250,18 +275,21 @@ class ProcessSupervisor:
     def wait(self, poll_interval_s: float = 0.2) -> int:
         """Return 0 once every process exited 0; on the first failure stop all and raise.
 
-        Raises `ProcessFailure` naming the failed process with its last log lines, or
-        `SupervisorInterrupted` on SIGINT (Ctrl-C) or SIGTERM to the supervisor.
+        Raises `ProcessFailure` naming the failed process with its last log lines,
+        `SupervisorInterrupted` on SIGINT (Ctrl-C) or SIGTERM to the supervisor, or, when a
+        process has a `graceful_stop_signal`, `RunPreempted` once it stopped gracefully (asked
+        by SIGTERM or SIGUSR1 to the supervisor; see the module docstring).
         """
-        previous_handler = None
-        if threading.current_thread() is threading.main_thread():
-            previous_handler = signal.signal(signal.SIGTERM, _raise_interrupted)
+        previous_handlers = self._install_stop_handlers()
         try:
             while True:
                 returncodes = [process.popen.poll() for process in self._running]
                 for process, returncode in zip(self._running, returncodes):
-                    if returncode is not None and returncode != 0:
-                        raise self._fail(process, returncode)
+                    if returncode is None or returncode == 0:
+                        continue
+                    if self._stopped_gracefully(process, returncode):
+                        raise self._preempted(process, poll_interval_s)
+                    raise self._fail(process, returncode)
                 if all(returncode == 0 for returncode in returncodes):
                     self.stop()  # reaps lingering grandchildren, closes logs
                     return 0
@@ -273,8 +301,52 @@ class ProcessSupervisor:
             self.stop()
             raise
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            for signal_number, handler in previous_handlers.items():
+                signal.signal(signal_number, handler)
+
+    def _install_stop_handlers(self) -> dict[int, object]:
+        """SIGTERM stops everything, unless a process can stop gracefully: then SIGTERM and
+        SIGUSR1 ask it to (`_ask_to_stop`). Returns the handlers to put back."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        if not any(spec.graceful_stop_signal is not None for spec in self.specs):
+            return {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_interrupted)}
+        return {number: signal.signal(number, self._ask_to_stop)
+                for number in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def _ask_to_stop(self, signal_number: int, frame: object) -> None:
+        """Forward the first SIGTERM or SIGUSR1 as each process's graceful stop signal; a
+        second SIGTERM stops everything at once."""
+        if self._stop_requested_by is not None:
+            if signal_number == signal.SIGTERM:
+                raise SupervisorInterrupted(signal_number)
+            return
+        self._stop_requested_by = signal_number
+        self._console.end_progress()
+        logger.warning("received %s: asking the run to finish its step, write a checkpoint and "
+                       "exit (SIGTERM again stops it at once)", signal.Signals(signal_number).name)
+        for process in self._running:
+            stop_signal = process.spec.graceful_stop_signal
+            if stop_signal is not None and process.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.popen.pid, stop_signal)  # the process, not its group
+
+    def _stopped_gracefully(self, process: _RunningProcess, returncode: int) -> bool:
+        """It exited as asked, or died of the stop signal before it could catch it."""
+        stop_signal = process.spec.graceful_stop_signal
+        if stop_signal is None:
+            return False
+        return returncode == PREEMPTED_EXIT_CODE or (
+            self._stop_requested_by is not None and returncode == -stop_signal)
+
+    def _preempted(self, process: _RunningProcess, poll_interval_s: float) -> RunPreempted:
+        """Give the other processes `grace_s` to exit by themselves, then stop the rest."""
+        deadline = time.monotonic() + self.grace_s
+        while (time.monotonic() < deadline
+               and any(other.popen.poll() is None for other in self._running)):
+            time.sleep(poll_interval_s)
+        self.stop()
+        return RunPreempted(process.spec.name, self._stop_requested_by)
 
     def _fail(self, process: _RunningProcess, returncode: int) -> ProcessFailure:
         self._console.end_progress()

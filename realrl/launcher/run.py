@@ -4,13 +4,18 @@ The launcher resolves everything once (config, default model paths, graph, alloc
 writes it to the run directory (`config.yaml`, `plan.json`, the graph as Mermaid and DOT, an
 owner-only `.secret`), then starts one master and N model-worker processes under a
 `ProcessSupervisor`: per-process log files, prefixed console lines, each process its share of
-the CPU threads, and any failure or Ctrl-C stops all of them.
+the CPU threads, and any failure or Ctrl-C stops all of them. SIGTERM or SIGUSR1 stops the
+run gracefully instead (`realrl.workers.preemption`): the master finishes its step and writes a
+checkpoint, and the launcher exits with code 75 and prints the command that resumes the run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shlex
+import signal
 import socket
 import sys
 import time
@@ -24,13 +29,18 @@ from realrl.launcher.processes import (
     ProcessFailure,
     ProcessSpec,
     ProcessSupervisor,
+    RunPreempted,
     SupervisorInterrupted,
 )
 from realrl.workers.core_share import CoreShareSpec, create_share_file
+from realrl.workers.preemption import PREEMPT_SIGNAL, PREEMPTED_EXIT_CODE
+from realrl.workers.recovery import latest_complete_checkpoint
 from realrl.workers.run_plan import RunPlan, base_settings
 from realrl.workers.run_secret import create_run_secret
 
 logger = logging.getLogger(__name__)
+
+_RECOVER_OVERRIDE = re.compile(r"\+{0,2}recover_mode=")
 
 
 def prepare_run_dir(config: BaseExperimentConfig) -> Path:
@@ -101,7 +111,8 @@ def process_specs(config: BaseExperimentConfig, plan: LaunchPlan, port: int,
                          run_dir / "logs" / "master.log", "[master]", num_threads=1,
                          # The hang watchdog's diagnosis (`realrl.workers.hang_report.report_path`;
                          # not imported: it pulls in torch, which the launcher does without).
-                         report_path=run_dir / "logs" / "watchdog.txt")]
+                         report_path=run_dir / "logs" / "watchdog.txt",
+                         graceful_stop_signal=PREEMPT_SIGNAL)]
     for worker in plan.workers:
         roles = " ".join(worker.roles) or "idle"
         worker_env = env
@@ -133,13 +144,14 @@ def run_experiment(config: BaseExperimentConfig) -> int:
     sys.stdout.flush()
     core_share = create_share_file(len(plan.workers)) if config.share_idle_cores else None
     try:
-        return _supervise(ProcessSupervisor(process_specs(config, plan, free_port(), core_share)))
+        supervisor = ProcessSupervisor(process_specs(config, plan, free_port(), core_share))
+        return _supervise(supervisor, plan.run_dir)
     finally:
         if core_share is not None:
             core_share.unlink(missing_ok=True)
 
 
-def _supervise(supervisor: ProcessSupervisor) -> int:
+def _supervise(supervisor: ProcessSupervisor, run_dir: Path) -> int:
     try:
         supervisor.start()
         return supervisor.wait()
@@ -149,5 +161,30 @@ def _supervise(supervisor: ProcessSupervisor) -> int:
     except SupervisorInterrupted as interrupted:
         sys.stderr.write(f"{interrupted}\n")
         return interrupted.exit_code
+    except RunPreempted as preempted:
+        asked = ("" if preempted.signal_number is None
+                 else f"at {signal.Signals(preempted.signal_number).name} ")
+        sys.stderr.write(f"{preemption_message(run_dir, f'the run stopped {asked}')}\n")
+        return preempted.exit_code
     finally:
         supervisor.stop()
+
+
+def preemption_message(run_dir: Path, how: str) -> str:
+    """What a run stopped with a checkpoint (`how`: "the run stopped at SIGTERM ") left, and the
+    exact command that resumes it: the command that started it, with `recover_mode=auto`."""
+    checkpoint = latest_complete_checkpoint(run_dir)
+    if checkpoint is None:
+        left = "before its first checkpoint; starting it again starts from step 0"
+    else:
+        left = f"with checkpoint {checkpoint}"
+    return (f"{how}{left} (exit code {PREEMPTED_EXIT_CODE}).\n"
+            f"resume with: {resume_command()}")
+
+
+def resume_command(argv: list[str] | None = None) -> str:
+    """`argv` (default: this process's command line as typed, `sys.orig_argv`) with every
+    `recover_mode=` override replaced by `recover_mode=auto` at the end."""
+    argv = list(sys.orig_argv if argv is None else argv)
+    kept = [token for token in argv if not _RECOVER_OVERRIDE.match(token)]
+    return shlex.join([*kept, "recover_mode=auto"])

@@ -12,8 +12,14 @@ task of a job that ends. realrl writes one sbatch script per submission (see
 - when any task fails the script ends the job (so no half-dead run keeps its allocation) and
   the launcher exits 1 naming the failed task (from srun's own report), its node, and the
   last lines of its log;
-- Ctrl-C or SIGTERM cancels the job (`scancel`) and waits until it has left the queue;
-- with `recover_mode=auto` a failed job is resubmitted up to `recover_retries` times; the
+- Ctrl-C cancels the job (`scancel`) and waits until it has left the queue; SIGTERM or SIGUSR1
+  stops it gracefully instead (`scancel --batch --signal=USR1`, as SLURM itself does
+  `slurm.preempt_lead_s` before the time limit): the master finishes its step, writes a
+  checkpoint and the job ends with exit code 75; the launcher prints the command that resumes
+  the run and exits 75. A second SIGTERM cancels at once;
+- with `recover_mode=auto` a failed job is resubmitted up to `recover_retries` times, and a job
+  that SLURM stopped with a checkpoint (time limit or preemption) is resubmitted whenever that
+  checkpoint is newer than the one it started from (otherwise it counts as a retry); the
   master resumes from the last complete checkpoint.
 """
 
@@ -32,7 +38,7 @@ from pathlib import Path
 
 from realrl.api.config import BaseExperimentConfig, ConfigError, RecoverMode
 from realrl.launcher.preflight import prepare_launch
-from realrl.launcher.run import free_port, prepare_run_dir, write_run_files
+from realrl.launcher.run import free_port, preemption_message, prepare_run_dir, write_run_files
 from realrl.launcher.slurm_checks import sbatch_fix
 from realrl.launcher.slurm_script import (
     SlurmJob,
@@ -44,6 +50,8 @@ from realrl.launcher.slurm_script import (
     worker_srun,
     write_batch_script,
 )
+from realrl.workers.preemption import PREEMPT_SIGNAL, PREEMPTED_EXIT_CODE
+from realrl.workers.recovery import latest_complete_checkpoint
 from realrl.workers.run_secret import load_run_secret
 
 logger = logging.getLogger(__name__)
@@ -65,6 +73,35 @@ class SlurmError(RuntimeError):
 class _Interrupted(Exception):
     def __init__(self, signal_number: int):
         self.signal_number = signal_number
+
+
+class _GracefulStop:
+    """SIGTERM or SIGUSR1 to the launcher: ask the running job to checkpoint and stop (once,
+    from `follow_job`'s loop); a second SIGTERM cancels it (`_Interrupted`)."""
+
+    def __init__(self) -> None:
+        self.signal_number: int | None = None
+        self.forwarded = False
+
+    def __call__(self, signal_number: int, frame: object) -> None:
+        if self.signal_number is None:
+            self.signal_number = signal_number
+        elif signal_number == signal.SIGTERM:
+            raise _Interrupted(signal_number)
+
+    def forward(self, job_id: str, status: JobStatus) -> None:
+        """Signal a running job's batch script (it forwards to the master); cancel the job if
+        it has not started, as there is nothing to checkpoint."""
+        if self.signal_number is None or self.forwarded:
+            return
+        self.forwarded = True
+        if status.state != "RUNNING":
+            raise _Interrupted(self.signal_number)
+        sys.stderr.write(f"received {signal.Signals(self.signal_number).name}: asking SLURM job "
+                         f"{job_id} to finish its step, write a checkpoint and stop (SIGTERM "
+                         "again cancels it)\n")
+        _slurm(["scancel", "--batch", f"--signal={PREEMPT_SIGNAL.name.removeprefix('SIG')}",
+                job_id], check=False)
 
 
 @dataclass
@@ -223,8 +260,10 @@ class _LogFollower:
         sys.stdout.flush()
 
 
-def follow_job(job_id: str, config: BaseExperimentConfig) -> JobStatus:
-    """Poll until the job has ended; returns its final status."""
+def follow_job(job_id: str, config: BaseExperimentConfig,
+               stop: _GracefulStop | None = None) -> JobStatus:
+    """Poll until the job has ended; returns its final status. Passes a graceful `stop` asked
+    for meanwhile on to the job."""
     _, logs, _ = run_paths(config)
     follower = _LogFollower(logs / "master.log", "[master]")
     last_state = ""
@@ -242,24 +281,28 @@ def follow_job(job_id: str, config: BaseExperimentConfig) -> JobStatus:
         follower.poll()
         if not status.active:
             return status
+        if stop is not None:
+            stop.forward(job_id, status)
         time.sleep(config.slurm.poll_interval_s)
 
 
-def _raise_interrupted(signal_number: int, frame: object) -> None:
-    raise _Interrupted(signal_number)
-
-
-def _run_one_attempt(config: BaseExperimentConfig, job: SlurmJob) -> tuple[str, JobStatus]:
+def _run_one_attempt(config: BaseExperimentConfig, job: SlurmJob,
+                     stop: _GracefulStop) -> tuple[str, JobStatus]:
     script = write_batch_script(config, job)
     job_id = submit(script)
     sys.stdout.write(f"submitted SLURM job {job_id} (attempt {job.attempt}): {script}\n")
     sys.stdout.flush()
     try:
-        return job_id, follow_job(job_id, config)
+        return job_id, follow_job(job_id, config, stop)
     except (KeyboardInterrupt, _Interrupted):
         sys.stderr.write(f"interrupted: cancelling SLURM job {job_id}\n")
         cancel(job_id)
         raise
+
+
+def _newest_step(run_dir: Path) -> int:
+    checkpoint = latest_complete_checkpoint(run_dir)
+    return -1 if checkpoint is None else int(checkpoint.name.removeprefix("step"))
 
 
 def run_on_slurm(config: BaseExperimentConfig) -> int:
@@ -269,21 +312,35 @@ def run_on_slurm(config: BaseExperimentConfig) -> int:
     run_plan = write_run_files(config, plan)
     sys.stdout.write(f"run directory: {plan.run_dir}\n")
     secret_hex = load_run_secret(plan.run_dir).hex()
-    attempts = 1 + (config.recover_retries if config.recover_mode == RecoverMode.auto else 0)
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main_thread else None
+    auto = config.recover_mode == RecoverMode.auto
+    retries = config.recover_retries if auto else 0
+    retries_used, attempt, stop = 0, 0, _GracefulStop()
+    previous_handlers = _install_handlers(stop)
     try:
-        for attempt in range(1, attempts + 1):
+        while True:
+            attempt += 1
+            started_from = _newest_step(plan.run_dir)
             job = SlurmJob(attempt, free_port(), secret_hex, run_plan.to_json())
-            job_id, status = _run_one_attempt(config, job)
+            job_id, status = _run_one_attempt(config, job, stop)
             if status.state == "COMPLETED" and status.exit_code in ("", "0:0"):
                 sys.stdout.write(f"SLURM job {job_id} completed; run directory {plan.run_dir}\n")
                 return 0
+            if status.exit_code.startswith(f"{PREEMPTED_EXIT_CODE}:"):
+                progressed = _newest_step(plan.run_dir) > started_from
+                if stop.signal_number is None and auto and (progressed or retries_used < retries):
+                    retries_used += 0 if progressed else 1
+                    sys.stderr.write(f"SLURM job {job_id} stopped with a checkpoint (time limit "
+                                     "or preemption); recover_mode=auto: resubmitting\n")
+                    continue
+                how = f"SLURM job {job_id} stopped "
+                sys.stderr.write(f"{preemption_message(plan.run_dir, how)}\n")
+                return PREEMPTED_EXIT_CODE
             sys.stderr.write(f"error: {describe_failure(config, job_id, status)}\n")
-            if attempt < attempts:
-                sys.stderr.write(f"recover_mode=auto: resubmitting (retry {attempt} of "
-                                 f"{attempts - 1})\n")
-        return 1
+            if retries_used == retries or stop.signal_number is not None:
+                return 1  # no retries left, or the user asked the run to stop
+            retries_used += 1
+            sys.stderr.write(f"recover_mode=auto: resubmitting (retry {retries_used} of "
+                             f"{retries})\n")
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except _Interrupted as interrupted:
@@ -292,8 +349,15 @@ def run_on_slurm(config: BaseExperimentConfig) -> int:
         sys.stderr.write(f"error: {error}\n")
         return 1
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_handler)
+        for signal_number, handler in previous_handlers.items():
+            signal.signal(signal_number, handler)
+
+
+def _install_handlers(stop: _GracefulStop) -> dict[int, object]:
+    """SIGTERM and SIGUSR1 go to `stop` (main thread only); returns the handlers to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {number: signal.signal(number, stop) for number in (signal.SIGTERM, signal.SIGUSR1)}
 
 
 def describe_dry_run(config: BaseExperimentConfig) -> str:

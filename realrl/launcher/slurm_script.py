@@ -16,7 +16,10 @@ every task, and the whole run is one job that one `scancel` ends. The script
    checks this) with `--kill-on-bad-exit=1`, each task logging to `logs/master.log` or
    `logs/worker<R>.log` like local mode;
 5. watches both steps and ends the job (so SLURM kills every task) as soon as either fails,
-   writing `realrl: step <name> failed with exit code <N>` to the job output.
+   writing `realrl: step <name> failed with exit code <N>` to the job output;
+6. traps USR1, which SLURM sends `slurm.preempt_lead_s` seconds before the time limit
+   (`--signal=B:USR1@N`), and forwards it to the master step: the master finishes its step,
+   writes a checkpoint and exits 75, and so does the job (`realrl.workers.preemption`).
 
 The run secret is exported in the script as `$REALRL_RUN_SECRET`; the launcher writes the
 script owner-only (0600). Everything SLURM-specific goes under `<run_dir>/slurm/`: the scripts
@@ -34,8 +37,10 @@ from pathlib import Path
 
 from realrl.api import environment
 from realrl.api.config import BaseExperimentConfig
+from realrl.workers.preemption import PREEMPT_SIGNAL, PREEMPTED_EXIT_CODE
 
 GPU_REQUEST_KINDS = ("auto", "gres", "gpus", "none")
+MAX_SIGNAL_LEAD_S = 65535  # sbatch --signal's sig_time
 PLAN_DELIMITER = "REALRL_PLAN_JSON"
 SECRET_PLACEHOLDER = "<64 hex digits: the run secret, written at submission>"
 
@@ -70,6 +75,9 @@ def slurm_problems(config: BaseExperimentConfig) -> list[str]:
             problems.append(f"`slurm.{key}={value}` must be at least 1 (or null for the default).")
     if slurm.poll_interval_s <= 0:
         problems.append(f"`slurm.poll_interval_s={slurm.poll_interval_s}` must be positive.")
+    if not 0 <= slurm.preempt_lead_s <= MAX_SIGNAL_LEAD_S:
+        problems.append(f"`slurm.preempt_lead_s={slurm.preempt_lead_s}` must be between 0 (no "
+                        f"signal) and {MAX_SIGNAL_LEAD_S} (SLURM's limit), e.g. 300.")
     return problems
 
 
@@ -104,6 +112,8 @@ def sbatch_options(config: BaseExperimentConfig) -> list[str]:
             options.append(f"--{flag}={value}")
     if slurm.exclusive:
         options.append("--exclusive")
+    if slurm.preempt_lead_s:  # B: the batch script only; it forwards USR1 to the master step
+        options.append(f"--signal=B:{PREEMPT_SIGNAL.name.removeprefix('SIG')}@{slurm.preempt_lead_s}")
     options += [f"--output={slurm_dir}/job-%j.out", "--open-mode=append",
                 f"--chdir={Path.cwd()}"]
     return options + list(slurm.extra_sbatch_args)
@@ -168,10 +178,26 @@ def shell_join(tokens: list[str]) -> str:
 _THREADS = ("OMP_NUM_THREADS={0} MKL_NUM_THREADS={0} REALRL_NUM_THREADS={0} "
             "OMP_WAIT_POLICY=${{OMP_WAIT_POLICY:-PASSIVE}}")
 
+# Graceful preemption: SLURM sends USR1 `slurm.preempt_lead_s` before the time limit (`--signal=B:`
+# signals this script only), and so does `scancel --batch --signal=USR1 <job>` (the launcher's
+# graceful stop). The master step gets it (srun forwards it to its task), finishes its step,
+# writes a checkpoint and exits 75.
+_PREEMPTION_TRAP = """\
+PREEMPT_ASKED=""
+forward_preemption() {
+  PREEMPT_ASKED=1
+  echo "realrl: got SIGUSR1 (time limit or preemption ahead): asking the master to checkpoint"
+  if [ -n "${MASTER_PID:-}" ]; then kill -USR1 "$MASTER_PID" 2>/dev/null; fi
+}
+trap forward_preemption USR1
+"""
+
 _SUPERVISE = """\
+if [ -n "$PREEMPT_ASKED" ]; then kill -USR1 "$MASTER_PID" 2>/dev/null; fi  # asked before it started
 # End the job as soon as either step fails: SLURM then kills every remaining task. The workers
 # step is checked first: when a worker dies the master fails too, often within the same second,
-# and the worker is the cause to report.
+# and the worker is the cause to report. The master's exit code PREEMPTED means it stopped as
+# asked with a checkpoint: the job ends with that code for the launcher to resubmit.
 declare -A STEP_PIDS=([master]=$MASTER_PID [workers]=$WORKERS_PID)
 MASTER_DONE_AT=""
 while [ ${#STEP_PIDS[@]} -gt 0 ]; do
@@ -180,6 +206,10 @@ while [ ${#STEP_PIDS[@]} -gt 0 ]; do
     if ! kill -0 "${STEP_PIDS[$step]}" 2>/dev/null; then
       wait "${STEP_PIDS[$step]}"; status=$?
       unset "STEP_PIDS[$step]"
+      if [ "$step" = master ] && [ "$status" -eq PREEMPTED ]; then
+        echo "realrl: step master stopped with a checkpoint (preempted); ending the job"
+        exit PREEMPTED
+      fi
       if [ "$status" -ne 0 ]; then
         echo "realrl: step $step failed with exit code $status; ending the job"
         exit "$status"
@@ -195,7 +225,7 @@ while [ ${#STEP_PIDS[@]} -gt 0 ]; do
   sleep 1
 done
 echo "realrl: all steps finished"
-"""
+""".replace("PREEMPTED", str(PREEMPTED_EXIT_CODE))
 
 
 def render_batch_script(config: BaseExperimentConfig, job: SlurmJob) -> str:
@@ -222,6 +252,7 @@ def render_batch_script(config: BaseExperimentConfig, job: SlurmJob) -> str:
     port = str(job.port) if job.port is not None else "PORT_CHOSEN_AT_SUBMISSION"
     cpus = (str(config.slurm.cpus_per_task) if config.slurm.cpus_per_task is not None
             else f"$(( SLURM_CPUS_ON_NODE / {devices} ))")
+    lines += ["", _PREEMPTION_TRAP.rstrip("\n")]
     lines += [
         "",
         "# Rendezvous: the master's address comes from SLURM, the port from the launcher.",

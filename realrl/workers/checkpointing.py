@@ -22,7 +22,8 @@ A checkpoint directory holds:
   rank of the MFC's layout loads it, whatever the layout of the resumed run;
 - `rng/rank<N>.pt`: worker N's global torch RNG and the sampling generator of each layout it
   hosts.
-The master writes the data position and marks the directory complete; see
+Each worker fsyncs the directory's files before it replies (`checkpoint_disk.fsync_tree`); the
+master then writes the data position and marks the directory complete; see
 `realrl.workers.recovery`. Resuming with a different worker count or layout works but cannot be
 bit-identical: the sampling streams of new ranks and layouts start from their seeds (logged).
 """
@@ -41,6 +42,7 @@ from realrl.models.config import ModelConfig
 from realrl.models.tensor_parallel import shard_state_dict
 from realrl.models.tokenizer import TextFormat, resolve_chat_template
 from realrl.models.transformer import Transformer
+from realrl.workers.checkpoint_disk import fsync_tree
 from realrl.workers.realloc import gather_full_parameters, gather_group_ranks
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ def save_worker_state(worker, directory: str) -> None:
         {"torch": torch.get_rng_state(), "generators": generators},
         root / "rng" / f"rank{worker.rank}.pt",
     )
+    fsync_tree(root)  # this rank's files, before the master may rename the directory complete
 
 
 def _save_role(worker, owner, role_dir: Path) -> None:

@@ -385,6 +385,13 @@ class Master:
             result.stats[f"{mfc.name}/{key}"] = sum(values) / len(values)
 
     async def broadcast(self, kind: str, header: dict) -> None:
-        """Send one request to every worker and wait for all (checkpoints, shutdown)."""
+        """Send one request to every worker and wait for all (checkpoints, shutdown), then raise
+        the first failure: a failed save removes its directory only once no worker writes."""
         await self.drain()
-        await asyncio.gather(*(self._request(rank, Message(kind, header)) for rank in self.clients))
+        outcomes = await asyncio.gather(
+            *(self._request(rank, Message(kind, header)) for rank in self.clients),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from realrl.interfaces.registry import make_interface
 from realrl.models.checkpoint import checkpoint_eos_token_ids
 from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import checkpointing
+from realrl.workers.checkpoint_disk import out_of_space, write_failure_reason
 from realrl.workers.core_share import CoreShare
 from realrl.workers.heap_freeze import HeapFreezer
 from realrl.workers.heartbeat import HeartbeatResponder, heartbeat_key, install_stack_dump_signal
@@ -237,7 +239,15 @@ class ModelWorker:
     def _save(self, message: Message) -> Message:
         for hosted in self.models.values():
             hosted.engine.onload()
-        checkpointing.save_worker_state(self, message.header["directory"])
+        directory = Path(message.header["directory"])
+        try:
+            checkpointing.save_worker_state(self, str(directory))
+        except Exception as error:  # torch.save reports a full disk as a RuntimeError
+            if not out_of_space(error, directory):
+                raise
+            reason = write_failure_reason(error, directory)
+            logger.error("cannot write this worker's checkpoint files: %s", reason)
+            return message.error_reply(f"worker {self.rank}: {reason}")
         return message.reply({})
 
     def _load(self, message: Message) -> Message:

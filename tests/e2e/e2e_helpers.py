@@ -15,6 +15,31 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # Keys every e2e run shares: no wandb, no tensorboard files, tiny batches and responses.
 QUIET_RUN = ["wandb.mode=disabled", "tensorboard=false"]
 RUN_TIMEOUT_S = 300
+# A ppo-math run in which every piece of state that changes during a run is in play: a critic
+# with value normalisation, an adaptive KL controller, an EMA reference model, sampling on a
+# different layout than training. Lending idle cores changes thread counts with timing, and
+# with them the rounding of some float sums, so bit-identical runs keep the even split.
+# Add `total_train_steps` (and `actor.path`, `output_root`).
+RECOVERABLE_PPO = [
+    "n_devices_per_node=2",
+    "share_idle_cores=false",
+    "allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2",
+    "dataset.batch_size=4",
+    "group_size=2",
+    "gen.max_new_tokens=8",
+    "seed=7",
+    "actor.optimizer.lr=1e-3",
+    "critic.optimizer.lr=1e-3",
+    "actor.optimizer.lr_scheduler=cosine",
+    "ppo.adaptive_kl_target=0.01",
+    "ppo.adaptive_kl_horizon=100",
+    "ppo.value_norm=true",
+    "ref_ema_eta=0.5",
+]
+# Metrics that depend on wall-clock time, or on the process's memory (a resumed process has
+# run fewer steps), differ between any two runs.
+TIMING_PREFIXES = ("timing/", "perf/", "actor_gen/generated_tokens_per_s")
+MEMORY_SUFFIX = "peak_memory_gb"
 
 
 def cli_command(experiment: str, overrides: list[str]) -> list[str]:
@@ -108,3 +133,25 @@ def kill_leftovers(text: str) -> None:
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def without_timing(record: dict) -> dict:
+    """A metrics record without the values that differ between two identical runs."""
+    return {key: value for key, value in record.items()
+            if not key.startswith(TIMING_PREFIXES) and not key.endswith(MEMORY_SUFFIX)}
+
+
+def checkpoint_weights(run_dir: Path, step: int, role: str) -> dict:
+    """The weights of `role` in the run's checkpoint after `step` steps."""
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "checkpoints" / f"step{step:06d}" / role / "model.safetensors")
+
+
+def differing_tensors(expected: dict, actual: dict) -> list[str]:
+    """Names of the tensors that are not bit-identical (all of them if the names differ)."""
+    import torch
+
+    if expected.keys() != actual.keys():
+        return sorted(set(expected) ^ set(actual))
+    return [name for name in expected if not torch.equal(expected[name], actual[name])]

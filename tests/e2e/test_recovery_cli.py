@@ -15,6 +15,8 @@ import signal
 import pytest
 import torch
 from e2e_helpers import (
+    RECOVERABLE_PPO,
+    checkpoint_weights,
     describe,
     kill_leftovers,
     processes_mentioning,
@@ -22,54 +24,22 @@ from e2e_helpers import (
     run_cli,
     start_cli,
     wait_until,
+    without_timing,
 )
-from safetensors.torch import load_file
 
 TOTAL_STEPS = 4
-# Every piece of state that changes during a run is in play: a critic with value
-# normalisation, an adaptive KL controller, an EMA reference model, sampling on a different
-# layout than training. Lending idle cores changes thread counts with timing, and with them
-# the rounding of some float sums, so bit-identical runs keep the even split.
-RECOVERABLE_PPO = [
-    "n_devices_per_node=2",
-    "share_idle_cores=false",
-    "allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2",
-    "dataset.batch_size=4",
-    "group_size=2",
-    "gen.max_new_tokens=8",
-    "seed=7",
-    f"total_train_steps={TOTAL_STEPS}",
-    "save_freq_steps=1",
-    "actor.optimizer.lr=1e-3",
-    "critic.optimizer.lr=1e-3",
-    "actor.optimizer.lr_scheduler=cosine",
-    "ppo.adaptive_kl_target=0.01",
-    "ppo.adaptive_kl_horizon=100",
-    "ppo.value_norm=true",
-    "ref_ema_eta=0.5",
-]
-# Metrics that depend on wall-clock time, or on the process's memory (a resumed process has
-# run fewer steps), differ between any two runs.
-TIMING_PREFIXES = ("timing/", "perf/", "actor_gen/generated_tokens_per_s")
-MEMORY_SUFFIX = "peak_memory_gb"
+FOUR_STEPS = [*RECOVERABLE_PPO, f"total_train_steps={TOTAL_STEPS}", "save_freq_steps=1"]
 
 
 def final_weights(run_dir, role: str) -> dict[str, torch.Tensor]:
-    return load_file(
-        run_dir / "checkpoints" / f"step{TOTAL_STEPS:06d}" / role / "model.safetensors"
-    )
-
-
-def without_timing(record: dict) -> dict:
-    return {key: value for key, value in record.items()
-            if not key.startswith(TIMING_PREFIXES) and not key.endswith(MEMORY_SUFFIX)}
+    return checkpoint_weights(run_dir, TOTAL_STEPS, role)
 
 
 @pytest.mark.slow
 def test_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_run(
     tiny_model, cli_env, tmp_path
 ):
-    common = [f"actor.path={tiny_model}", *RECOVERABLE_PPO]
+    common = [f"actor.path={tiny_model}", *FOUR_STEPS]
     straight = run_cli("ppo-math", [*common, f"output_root={tmp_path / 'straight'}"], cli_env)
     assert straight.returncode == 0, describe(straight)
 

@@ -332,3 +332,82 @@ def test_worker_logging_and_thread_limit_helpers_configure_the_child(tmp_path, s
     log_line_pattern = r"\[worker 3\] \d\d:\d\d:\d\d INFO realrl\.demo: threads=2"
     assert any(re.fullmatch(log_line_pattern, line) for line in lines), lines
     assert not any("hidden" in line for line in lines)
+
+
+GRACEFUL_SUPERVISOR_SCRIPT = """
+import json, os, signal, sys
+from pathlib import Path
+from realrl.launcher.processes import (ProcessSpec, ProcessSupervisor, RunPreempted,
+                                       SupervisorInterrupted)
+
+out, on_usr1 = Path(sys.argv[1]), sys.argv[2]
+master = (
+    "import signal, sys, time\\n"
+    "def stop(number, frame):\\n"
+    "    print('master got', signal.Signals(number).name, flush=True)\\n"
+    + ("    sys.exit(75)\\n" if on_usr1 == "checkpoint" else "    pass\\n")
+    + "signal.signal(signal.SIGUSR1, stop)\\n"
+    "open(sys.argv[1], 'w').close()\\n"
+    "time.sleep(60)\\n"
+)
+specs = [
+    ProcessSpec("master", [sys.executable, "-c", master, str(out / "master_ready")], {},
+                out / "master.log", "[master]", 1, graceful_stop_signal=signal.SIGUSR1),
+    ProcessSpec("worker", [sys.executable, "-c", "import time; time.sleep(60)"], {},
+                out / "worker.log", "[worker]", 1),
+]
+with ProcessSupervisor(specs, grace_s=0.5) as supervisor:
+    supervisor.start()
+    (out / "pids.tmp").write_text(json.dumps(supervisor.pids))
+    os.rename(out / "pids.tmp", out / "pids.json")
+    try:
+        sys.exit(supervisor.wait(poll_interval_s=0.05))
+    except RunPreempted as preempted:
+        print("preempted:", preempted, flush=True)
+        sys.exit(preempted.exit_code)
+    except SupervisorInterrupted as interrupted:
+        sys.exit(interrupted.exit_code)
+"""
+
+
+def _start_graceful_supervisor(tmp_path, on_usr1: str):
+    script = tmp_path / "supervisor.py"
+    script.write_text(GRACEFUL_SUPERVISOR_SCRIPT)
+    supervisor = subprocess.Popen(
+        [PYTHON, str(script), str(tmp_path), on_usr1], env={**os.environ, **CHILD_ENV},
+        stdout=subprocess.PIPE, text=True, preexec_fn=default_sigint,
+    )
+    child_pids = list(json.loads(_read_when_written(tmp_path / "pids.json")).values())
+    _read_when_written(tmp_path / "master_ready")  # its SIGUSR1 handler is installed
+    return supervisor, child_pids
+
+
+def test_sigterm_asks_a_graceful_process_to_stop_and_its_exit_75_ends_the_run(tmp_path):
+    supervisor, child_pids = _start_graceful_supervisor(tmp_path, "checkpoint")
+    try:
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=15) == 75
+        output = supervisor.stdout.read()
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    assert "preempted: process 'master' stopped gracefully (the supervisor received SIGTERM)" \
+        in output
+    # The master was asked with SIGUSR1 (the worker, which was not, was stopped after it).
+    assert "master got SIGUSR1" in (tmp_path / "master.log").read_text()
+    assert not any(_is_alive(pid) for pid in child_pids)
+
+
+def test_a_second_sigterm_stops_a_run_that_does_not_stop_by_itself(tmp_path):
+    supervisor, child_pids = _start_graceful_supervisor(tmp_path, "ignore")
+    try:
+        supervisor.send_signal(signal.SIGTERM)
+        assert _wait_until(lambda: "master got SIGUSR1" in
+                           (tmp_path / "master.log").read_text(), timeout_s=10)
+        assert supervisor.poll() is None  # still waiting for the master's checkpoint
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=15) == 128 + signal.SIGTERM
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    assert not any(_is_alive(pid) for pid in child_pids)

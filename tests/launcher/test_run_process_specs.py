@@ -1,4 +1,5 @@
-"""The thread shares and OpenMP settings the local launcher gives its processes."""
+"""The thread shares and OpenMP settings the local launcher gives its processes, and the command
+it prints to resume a run stopped with a checkpoint."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from realrl.api import environment
 from realrl.api.config import resolve_config, usable_cores
 from realrl.api.registry import get_experiment
 from realrl.launcher.plan import build_plan
-from realrl.launcher.run import openmp_environment, process_specs
+from realrl.launcher.run import openmp_environment, process_specs, resume_command
 from realrl.workers.core_share import CoreShareSpec
 
 
@@ -92,3 +93,10 @@ def test_the_launcher_removes_the_core_share_file_and_makes_none_when_off(tmp_pa
             run.run_experiment(config)
         assert len(set(made)) == expected
         assert not any(path.exists() for path in made)
+
+
+def test_the_resume_command_is_the_typed_one_with_recover_mode_auto():
+    typed = ["/usr/bin/python3", "-m", "realrl.apps.quickstart", "ppo-math", "recover_mode=disabled",
+             "actor.path=/models/my model", "++recover_mode=resume", "seed=3"]
+    assert resume_command(typed) == ("/usr/bin/python3 -m realrl.apps.quickstart ppo-math "
+                                     "'actor.path=/models/my model' seed=3 recover_mode=auto")

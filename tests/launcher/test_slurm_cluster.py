@@ -7,6 +7,7 @@ The cluster needs at least 2 CPU slots (SLURM_LOCAL_CPUS=8 is comfortable).
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -205,3 +206,51 @@ def test_two_step_run_under_slurm_writes_the_same_run_directory_as_local_mode(
         keys = sorted(local_row)  # same seed, layout and threads: the same numbers
         assert [slurm_row[k] for k in keys] == pytest.approx([local_row[k] for k in keys],
                                                              rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_usr1_before_the_time_limit_checkpoints_and_recover_mode_auto_resubmits(tmp_path):
+    """`scancel --batch --signal=USR1` is what SLURM does `slurm.preempt_lead_s` seconds before
+    the time limit (`#SBATCH --signal=B:USR1@N`). A job stopped with a newer checkpoint is
+    resubmitted without using up a retry (`recover_retries=0`)."""
+    run_dir = tmp_path / "sft" / "trial0"
+    process = start_cli(tmp_path, "sft", *CPU_JOB, "total_train_steps=60", "recover_mode=auto",
+                        "recover_retries=0")
+    assert wait_until(lambda: len(metric_steps(run_dir)) >= 2, timeout_s=180), \
+        (tmp_path / "stdout.txt").read_text()[-3000:]
+    (first_job,) = submitted_job_ids((tmp_path / "stdout.txt").read_text())
+    subprocess.run(["scancel", "--batch", "--signal=USR1", first_job], check=True, timeout=30)
+    returncode, stdout, stderr = finish(process, tmp_path, timeout_s=400)
+    assert returncode == 0, stderr[-3000:]
+    assert len(submitted_job_ids(stdout)) == 2
+    assert (f"SLURM job {first_job} stopped with a checkpoint (time limit or preemption); "
+            "recover_mode=auto: resubmitting") in stderr
+    job_output = (run_dir / "slurm" / f"job-{first_job}.out").read_text()
+    assert "realrl: got SIGUSR1" in job_output
+    assert "realrl: step master stopped with a checkpoint (preempted)" in job_output
+    resumed = re.search(r"resumed from \S+/step(\d+) at step (\d+)",
+                        (run_dir / "logs" / "master.log").read_text())
+    assert resumed and 2 <= int(resumed[2]) < 60, "the job finished before the signal"
+    assert metric_steps(run_dir) == list(range(1, 61))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_the_job_with_a_checkpoint_and_names_the_resume_command(
+        tmp_path):
+    run_dir = tmp_path / "sft" / "trial0"
+    process = start_cli(tmp_path, "sft", *CPU_JOB, "total_train_steps=2000", "recover_mode=auto")
+    assert wait_until(lambda: len(metric_steps(run_dir)) >= 2, timeout_s=180), \
+        (tmp_path / "stdout.txt").read_text()[-3000:]
+    process.send_signal(signal.SIGTERM)
+    returncode, stdout, stderr = finish(process, tmp_path, timeout_s=120)
+    assert returncode == 75, stderr[-3000:]
+    (job_id,) = submitted_job_ids(stdout)  # stopped by the user: not resubmitted
+    assert f"asking SLURM job {job_id} to finish its step, write a checkpoint and stop" in stderr
+    checkpoints = sorted((run_dir / "checkpoints").iterdir())
+    assert [path.name for path in checkpoints] == [f"step{metric_steps(run_dir)[-1]:06d}"]
+    assert f"SLURM job {job_id} stopped with checkpoint {checkpoints[-1]} (exit code 75)" in stderr
+    resume = stderr.strip().splitlines()[-1]
+    assert resume.startswith("resume with: ") and "sft mode=slurm" in resume
+    assert resume.endswith(f"total_train_steps=2000 output_root={tmp_path} recover_mode=auto")
+    assert not job_listed(job_id)
+    assert wait_until(lambda: not entry_processes(run_dir), timeout_s=15)

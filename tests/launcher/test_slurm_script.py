@@ -2,9 +2,11 @@
 
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -190,3 +192,39 @@ def test_placement_check_rejects_a_cyclic_layout(monkeypatch):
     monkeypatch.setenv("SLURM_LOCALID", "0")  # cyclic would put rank 1 here
     with pytest.raises(PlacementError, match="node 0, device 1"):
         check_placement(rank=1, devices_per_node=2)
+
+
+def test_the_job_asks_for_usr1_ahead_of_its_time_limit_unless_the_lead_is_zero(tmp_path):
+    assert "--signal=B:USR1@300" in sbatch_options(_config(tmp_path, "mode=slurm"))
+    assert "--signal=B:USR1@900" in sbatch_options(
+        _config(tmp_path, "mode=slurm", "slurm.preempt_lead_s=900"))
+    assert not any(option.startswith("--signal") for option in sbatch_options(
+        _config(tmp_path, "mode=slurm", "slurm.preempt_lead_s=0")))
+    with pytest.raises(ConfigError, match=r"slurm.preempt_lead_s=70000` must be between 0"):
+        describe_dry_run(_config(tmp_path, "mode=slurm", "slurm.preempt_lead_s=70000"))
+
+
+def test_usr1_to_the_script_reaches_the_master_step_and_its_exit_75_ends_the_job(tmp_path):
+    """The script's trap and step watch in bash, with stand-ins for the two srun steps: the
+    master step stops with 75 on USR1 (as srun forwards it to the master), the workers run on."""
+    script = render_batch_script(_config(tmp_path, "mode=slurm"), SlurmJob(1, 4000, "22" * 32, "{}"))
+    trap = script[script.index('PREEMPT_ASKED=""'):script.index("# Rendezvous")]
+    supervise = script[script.index('if [ -n "$PREEMPT_ASKED" ]'):]
+    steps = ("(trap 'exit 75' USR1; touch master_ready; while :; do sleep 0.05; done) & "
+             "MASTER_PID=$!\n(sleep 5) & WORKERS_PID=$!\n")
+    batch = subprocess.Popen(["bash", "-c", trap + steps + supervise], cwd=tmp_path,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "master_ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        batch.send_signal(signal.SIGUSR1)  # what `--signal=B:USR1@N` does before the time limit
+        assert batch.wait(timeout=10) == 75
+    finally:
+        batch.kill()
+        batch.wait()
+    assert batch.stdout.read().splitlines() == [
+        "realrl: got SIGUSR1 (time limit or preemption ahead): asking the master to checkpoint",
+        "realrl: step master stopped with a checkpoint (preempted); ending the job",
+    ]
+

@@ -1,0 +1,69 @@
+"""What the master leaves on disk around checkpoints: which directories count as complete,
+pruning that a crash cannot turn into a half-deleted "complete" checkpoint, the leftovers a
+resumed run removes, and what a failed write is reported as."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+from realrl.workers.checkpoint_disk import out_of_space, write_failure_reason
+from realrl.workers.recovery import (
+    complete_checkpoints,
+    discard_incomplete,
+    latest_complete_checkpoint,
+    prune,
+)
+
+
+def _checkpoint(run_dir, name: str, with_master_json: bool = True):
+    directory = run_dir / "checkpoints" / name
+    (directory / "actor").mkdir(parents=True)
+    (directory / "actor" / "model.safetensors").write_bytes(b"weights")
+    if with_master_json:
+        (directory / "master.json").write_text(json.dumps({"step": 1}))
+    return directory
+
+
+def test_only_renamed_directories_with_master_json_are_complete(tmp_path):
+    done = [_checkpoint(tmp_path, "step000001"), _checkpoint(tmp_path, "step000002")]
+    _checkpoint(tmp_path, "step000003.tmp")  # a save killed before its rename
+    _checkpoint(tmp_path, "step000000.deleting")  # a prune killed mid-way
+    _checkpoint(tmp_path, "step000004", with_master_json=False)
+    assert complete_checkpoints(tmp_path) == done
+    assert latest_complete_checkpoint(tmp_path) == done[-1]
+
+
+def test_a_resumed_run_removes_what_interrupted_saves_and_prunes_left(tmp_path):
+    kept = _checkpoint(tmp_path, "step000002")
+    _checkpoint(tmp_path, "step000003.tmp")
+    _checkpoint(tmp_path, "step000001.deleting")
+    discard_incomplete(tmp_path)
+    assert list((tmp_path / "checkpoints").iterdir()) == [kept]
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
+    steps = [_checkpoint(tmp_path, f"step{step:06d}") for step in range(1, 5)]
+    staging = _checkpoint(tmp_path, "step000005.tmp")
+    prune(tmp_path, keep_last=2)
+    assert sorted((tmp_path / "checkpoints").iterdir()) == [*steps[2:], staging]
+    prune(tmp_path, keep_last=0)  # 0: keep every checkpoint
+    assert complete_checkpoints(tmp_path) == steps[2:]
+
+
+def test_a_full_disk_is_named_whichever_way_the_writer_reports_it(tmp_path):
+    # safetensors: the OS error in its message; Python: the errno; torch.save to a path: neither
+    # (`unexpected pos`), but the filesystem is left nearly full, as a tmpfs shows.
+    assert out_of_space(RuntimeError("I/O error: No space left on device (os error 28)"), tmp_path)
+    assert out_of_space(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
+    assert out_of_space(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
+    wrapped = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    wrapped.__context__ = OSError(errno.ENOSPC, "No space left on device")
+    assert out_of_space(wrapped, tmp_path)
+    assert write_failure_reason(wrapped, tmp_path).startswith(
+        f"no space left on the device of {tmp_path}, ")
+    denied = PermissionError(errno.EACCES, "Permission denied")
+    assert not out_of_space(denied, tmp_path)  # tmp_path's filesystem has room
+    assert write_failure_reason(denied, tmp_path) == "PermissionError: [Errno 13] Permission denied"
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 5 vs 3")
+    assert not out_of_space(torch_error, tmp_path)
