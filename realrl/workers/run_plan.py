@@ -122,7 +122,8 @@ class RunPlan:
         models = {}
         for role, spec in data["models"].items():
             config = None if spec["config"] is None else from_data(ModelRoleConfig, spec["config"])
-            models[role] = ModelSpec(role, ModelKind(spec["kind"]), config, spec["trainable"])
+            models[role] = ModelSpec(role, ModelKind(spec["kind"]), config, spec["trainable"],
+                                     spec.get("shares_base_with"))
         return cls(
             base=from_data(BaseExperimentConfig, data["base"]),
             dataset=from_data(DatasetConfig, data["dataset"]),
