@@ -128,7 +128,7 @@ def lora_plan_problems(spec: ExperimentSpec, graph: DataflowGraph,
     the same tensor-parallel slicing."""
     problems = []
     for role, model in spec.models.items():
-        if model.config is None:
+        if model.config is None or model.kind.value == "rule":  # a verifier: no weights
             continue
         lora = model.config.lora
         mfcs = [name for name, mfc in graph.mfcs.items() if mfc.model_role == role]

@@ -72,6 +72,12 @@ class RunPlan:
         """Every distinct layout, in a deterministic order (process groups depend on it)."""
         return sorted({self.layout_of(m.name) for m in self.mfcs if self.has_weights(m)})
 
+    def layouts_in_build_order(self) -> list[LayoutKey]:
+        """`layouts()`, those of roles that use another role's base weights
+        (`ModelSpec.shares_base_with`) last: they take the weights of that role's layouts."""
+        return sorted(self.layouts(),
+                      key=lambda layout: self.models[layout.role].shares_base_with is not None)
+
     def owner_layout(self, role: str) -> LayoutKey:
         mfcs = [m for m in self.mfcs if m.model_role == role]
         train = [m for m in mfcs if m.is_train]
