@@ -21,9 +21,9 @@ from realrl.api.allocation import (
 )
 from realrl.api.allocation_mode import parse_allocation_mode
 from realrl.api.config import BaseExperimentConfig, ConfigError, LaunchMode
-from realrl.api.lora import lora_plan_problems
 from realrl.api.dfg import DataflowGraph, MFCKind
 from realrl.api.experiment import ExperimentSpec, ModelKind
+from realrl.api.lora import lora_plan_problems
 
 logger = logging.getLogger(__name__)
 
