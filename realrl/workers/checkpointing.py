@@ -260,6 +260,7 @@ def _load_adapter(engine, role_dir: Path) -> None:
     parameters = dict(module.named_parameters())
     for name, tensor in loaded.items():
         parameters[name].copy_(tensor)
+    logger.info("loaded the LoRA adapter of %s from %s", role_dir.name, role_dir)
 
 
 def _resume_schedule_only(engine, schedule: dict) -> None:
