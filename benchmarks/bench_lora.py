@@ -9,7 +9,8 @@ actor's base (`realrl.models.lora.base_view`), so it adds nothing. One micro-bat
 then `--steps` measured ones. Reported, from the tensors themselves after the last step:
 parameters held (actor + reference), gradients, optimizer state (AdamW's moments, and the
 fp32 masters of a bf16 model), their sum; the call's resident-set peak growth (the model
-worker's meter) and the median step time. `--full-size` adds the same tensor accounting for
+worker's meter) and the median step time, wall-clock and the process's CPU time (one thread:
+the CPU time is the step's own compute, whatever else the machine runs). `--full-size` adds the same tensor accounting for
 the model with all of its layers, counted on the meta device (nothing allocated).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lora.py --layers 4
@@ -147,14 +148,16 @@ def measure(args: argparse.Namespace) -> dict:
     engine.train_microbatches([None], loss_fn)  # warm-up: gradients and optimizer state exist
     meter = PeakMemory(torch.device("cpu"))
     meter.start()
-    seconds = []
+    seconds, cpu_seconds = [], []
     for _ in range(args.steps):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         engine.train_microbatches([None], loss_fn)
         seconds.append(time.perf_counter() - started)
+        cpu_seconds.append(time.process_time() - cpu_started)
     memory = meter.stop()
     return {**tensor_accounting(module, engine, with_reference=args.mode == "full"),
-            "step_s": statistics.median(seconds), "tokens": tokens,
+            "step_s": statistics.median(seconds), "cpu_s": statistics.median(cpu_seconds),
+            "tokens": tokens,
             "peak_growth_bytes": memory.peak_bytes - memory.live_at_start_bytes,
             "layers": module.config.num_hidden_layers, "vocab_size": module.config.vocab_size}
 
@@ -182,13 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {args.size}, {first['layers']} layers, {args.dtype}, LoRA rank {args.rank}; "
           f"{first['tokens']} tokens per step, median of {args.steps} steps")
     print("| mode | parameters (trainable) | weights + reference MB | gradients MB | "
-          "optimizer MB | total MB | step's peak growth MB | step s |")
+          "optimizer MB | total MB | step's peak growth MB | step s (CPU s) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode, r in results.items():
         print(f"| {mode} | {r['parameters'] / 1e6:.1f}M ({r['trainable'] / 1e6:.2f}M) | "
               f"{_mb(r['weights_bytes'])} + {_mb(r['reference_bytes'])} | "
               f"{_mb(r['gradient_bytes'])} | {_mb(r['optimizer_bytes'])} | "
-              f"{_mb(r['total_bytes'])} | {_mb(r['peak_growth_bytes'])} | {r['step_s']:.2f} |")
+              f"{_mb(r['total_bytes'])} | {_mb(r['peak_growth_bytes'])} | {r['step_s']:.2f} ({r['cpu_s']:.2f}) |")
     if args.full_size:
         import torch
 
