@@ -134,7 +134,7 @@ def lora_plan_problems(spec: ExperimentSpec, graph: DataflowGraph,
         mfcs = [name for name, mfc in graph.mfcs.items() if mfc.model_role == role]
         if lora.enabled and not model.trainable and model.shares_base_with is None:
             key = model.config_key("lora.rank")
-            problems.append(f"`{key}={lora.rank}`: role {role!r} does not train, and its "
+            problems.append(f"`{key}={lora.rank}`: this role does not train, and its "
                             f"adapters would stay zero; set `{key}=0`.")
         tensor_parallel = [name for name in mfcs if allocations[name].strategy.tensor > 1]
         if lora.enabled and lora.dropout > 0 and tensor_parallel:

@@ -95,8 +95,9 @@ def save_worker_state(worker, directory: str) -> None:
 
 
 def _save_role(worker, owner, role_dir: Path) -> None:
-    """Full HF weights (first rank) and this tp rank's optimizer state, from replica 0; with
-    `checkpoint.weights_only` the LR schedule instead of the optimizer state."""
+    """Full HF weights (first rank; a LoRA role's adapter instead, `_save_adapter`) and this
+    tp rank's optimizer state, from replica 0; with `checkpoint.weights_only` the LR schedule
+    instead of the optimizer state."""
     engine = worker.models[owner].engine
     role_dir.mkdir(parents=True, exist_ok=True)
     plan = worker.plan

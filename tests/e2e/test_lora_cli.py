@@ -29,6 +29,7 @@ def logits(model, sequence: torch.Tensor) -> torch.Tensor:
         return model(sequence, torch.tensor([0, sequence.numel()], dtype=torch.int32))
 
 
+@pytest.mark.slow  # two runs of the CLI
 def test_lora_actor_trains_saves_peft_and_merged_weights_and_resumes(tiny_model, cli_env, tmp_path):
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
