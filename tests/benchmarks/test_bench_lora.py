@@ -9,7 +9,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
 
-from bench_lora import meta_accounting, measure, parse_args  # noqa: E402
+from bench_lora import measure, meta_accounting, parse_args  # noqa: E402
 from bench_setup import MODEL_SIZES  # noqa: E402
 
 
