@@ -409,6 +409,11 @@ class BaseExperimentConfig:
             if "/" in value or value in (".", ".."):
                 problems.append(f"`{name}={value}` must be a plain name without '/'.")
         problems += self.log.validate("log")
+        # ---- LoRA adapters of the model roles (`realrl.api.lora`)
+        for section_field in dataclasses.fields(self):
+            section = getattr(self, section_field.name)
+            if hasattr(section, "lora_problems"):
+                problems += section.lora_problems(section_field.name)
         if self.worker_memory_gb is not None and self.worker_memory_gb <= 0:
             problems.append(
                 f"`worker_memory_gb={self.worker_memory_gb}` must be > 0, or null to use the "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from realrl.api.config import DType, help_field
 from realrl.api.dfg import DataflowGraph, MFCDef, MicroBatchSpec
+from realrl.api.lora import LoRAConfig, role_lora_problems
 
 # What an empty `<role>.path` loads (`realrl.launcher.run.resolve_model_paths`): the class's
 # help names the common case; experiments whose roles start elsewhere say so in `key_help`.
@@ -134,6 +135,15 @@ class ModelRoleConfig:
         "float rounding. GRPO benchmark (9-token prompts, 4 x 32-token responses): actor "
         "forward+backward ~15% faster."
     )
+    lora: LoRAConfig = help_field(
+        LoRAConfig(), "LoRA adapters (trained roles): train low-rank factors beside frozen "
+        "weights instead of the weights (`realrl.api.lora`)."
+    )
+
+    def lora_problems(self, prefix: str) -> list[str]:
+        """`lora` keys this role cannot run with (`BaseExperimentConfig.validate` asks every
+        role section)."""
+        return role_lora_problems(self, prefix)
 
 
 @dataclass
@@ -229,6 +239,11 @@ class ModelSpec:
     kind: ModelKind
     config: ModelRoleConfig | None = None  # None for rule-based roles
     trainable: bool = False
+    # The role whose base weights this role's layouts use, with that role's LoRA adapter off
+    # and no copy of their own (ppo-math's reference of an actor with adapters); None: the
+    # role loads `config.path` itself. `config.lora` then describes an adapter of its own
+    # (an EMA reference), or none.
+    shares_base_with: str | None = None
 
     def config_key(self, key: str) -> str:
         """The dotted config key of this role's `key`; the built-in single-model experiments

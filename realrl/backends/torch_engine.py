@@ -104,6 +104,9 @@ class TorchEngine:
         # The shared memory this engine's weights live in, when its data-parallel replicas
         # share one copy (`realloc.share_replica_weights`).
         self.shared_weights = None
+        # The module computes with another engine's base weights, the same tensors
+        # (`realrl.models.lora.base_view`): never shared, moved or offloaded on its own.
+        self.shares_base = False
         # Forwards kept for the next train call, and the weights they were computed with.
         self._kept: list[_KeptForward] = []
         self._kept_weights: tuple[int, ...] = ()
@@ -149,6 +152,9 @@ class TorchEngine:
         between uses (the offload hook). On a CPU engine there is nothing to free."""
         if self.backend is not None:
             raise RuntimeError("only frozen models are offloaded; this one has an optimizer")
+        if self.shares_base:
+            raise RuntimeError("this model computes with another role's base weights; "
+                               "offloading it would move that role's weights too")
         if self.home_device.type == "cpu" or self.offloaded:
             return
         self.module.to("cpu")

@@ -15,6 +15,11 @@ service (`remote_inf`), or a weighted sum of several (`reward_sum`; see
 With `ppo.reuse_forward` and one optimizer step per call, `actor_train`'s forward starts as
 soon as `packed_input_ids` exists (`forward_keys`), and `critic_inf`'s forward is the critic's
 training forward.
+
+With `actor.lora.rank > 0` the reference is the actor's base (the checkpoint both start from)
+with the adapter off: the `ref` role then shares the actor's base weights
+(`ModelSpec.shares_base_with`) and holds none of its own, as LlamaFactory's PPO does. With
+`ref_ema_eta` it gets an adapter of its own, which the EMA hook moves toward the actor's.
 """
 
 from __future__ import annotations
@@ -139,8 +144,34 @@ class PPOMathConfig(BaseExperimentConfig):
         """Empty paths of these roles take the path of another role."""
         return {"critic": "actor", "ref": "actor", "rm": "actor"}
 
+    def reference_shares_actor_base(self) -> bool:
+        """Whether the reference is the actor's base weights with its adapter off: the actor
+        has LoRA adapters and the reference would load the same weights in the same dtype."""
+        return (self.actor.lora.enabled and self.ppo.kl_ctl > 0
+                and self.ref.path in ("", self.actor.path) and self.ref.dtype == self.actor.dtype)
+
+    def _lora_problems(self) -> list[str]:
+        problems = []
+        if self.ref.lora.enabled:
+            problems.append(f"`ref.lora.rank={self.ref.lora.rank}`: the reference does not "
+                            "train; with `actor.lora.rank` > 0 it is the actor's base with the "
+                            "adapter off. Set `ref.lora.rank=0`.")
+        if not self.reference_shares_actor_base():
+            if self.actor.lora.enabled and self.ref_ema_eta is not None and self.ppo.kl_ctl > 0:
+                problems.append("`ref_ema_eta` with `actor.lora.rank` > 0 blends the actor's "
+                                "adapter into one of the reference's, on the actor's base: "
+                                "leave `ref.path` empty (or the actor's) and `ref.dtype` null "
+                                "(or the actor's).")
+            return problems
+        if self.ref.offload:
+            problems.append("`ref.offload=true` with `actor.lora.rank` > 0: the reference is the "
+                            "actor's base weights, which offloading would move from under the "
+                            "actor; set `ref.offload=false`.")
+        return problems
+
     def validate(self) -> list[str]:
         problems = super().validate()
+        problems += self._lora_problems()
         problems += self.dataset.validate("dataset") + self.gen.validate("gen")
         problems += self.ppo.validate("ppo") + self.reward.validate("reward")
         problems += self.actor.optimizer.validate("actor.optimizer")
@@ -177,6 +208,12 @@ class PPOMathConfig(BaseExperimentConfig):
             notes.append("ppo.disable_value=true: critic_inf and critic_train are not in the graph.")
         if not use_ref:
             notes.append("ppo.kl_ctl=0: ref_inf is not in the graph.")
+        if use_ref and self.reference_shares_actor_base():
+            notes.append(
+                f"actor.lora.rank={self.actor.lora.rank}: ref_inf runs the actor's base weights "
+                "with its adapter off (no copy of its own)"
+                + (", plus an adapter of its own that ref_ema_eta moves toward the actor's"
+                   if self.ref_ema_eta is not None else ""))
         if RewardSource.model in self.reward.sources and self.rm.path in ("", self.actor.path):
             notes.append("rm.path is actor.path (or empty): the reward model is the policy with "
                          "a zero-initialised value head, which scores every response 0; set "
@@ -253,7 +290,12 @@ class PPOMathConfig(BaseExperimentConfig):
             "actor": ModelSpec("actor", ModelKind.lm, self.actor, trainable=True),
             **reward_roles(self.reward, self.actor, self.rm),  # `reward`: the actor's tokenizer
         }
-        if use_ref:
+        if use_ref and self.reference_shares_actor_base():
+            # The actor's base with its adapter off; with EMA, an adapter of its own.
+            ref_config = (dataclasses.replace(self.ref, lora=self.actor.lora)
+                          if self.ref_ema_eta is not None else self.ref)
+            models["ref"] = ModelSpec("ref", ModelKind.lm, ref_config, shares_base_with="actor")
+        elif use_ref:
             models["ref"] = ModelSpec("ref", ModelKind.lm, self.ref)
         if use_critic:
             models["critic"] = ModelSpec("critic", ModelKind.critic, self.critic, trainable=True)

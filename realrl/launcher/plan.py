@@ -23,6 +23,7 @@ from realrl.api.allocation_mode import parse_allocation_mode
 from realrl.api.config import BaseExperimentConfig, ConfigError, LaunchMode
 from realrl.api.dfg import DataflowGraph, MFCKind
 from realrl.api.experiment import ExperimentSpec, ModelKind
+from realrl.api.lora import lora_plan_problems
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +251,7 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     if config.pipeline_rollout:
         problems += pipeline_problems(graph, allocations)
     problems += sequence_parallel_problems(spec, graph, allocations, workers_without_gpus(config))
+    problems += lora_plan_problems(spec, graph, allocations)
     problems += logged_key_problems(config, graph)
     if problems:
         raise ConfigError(problems)

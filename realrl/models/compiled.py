@@ -193,6 +193,8 @@ def enable_compiled_blocks(model: Transformer, key: str) -> None:
         raise ValueError(
             f"{key}=true: compiled blocks need tensor-parallel size 1, got {model.tp_size}"
         )
+    if model.lora_config is not None:  # the parts below take the projections' weights only
+        raise ValueError(f"{key}=true: compiled blocks do not run LoRA adapters; set {key}=false")
     model.compiled_blocks = CompiledBlocks(key)
     logger.info(
         "%s=true: transformer blocks run compiled; the first training and inference forwards "

@@ -217,7 +217,7 @@ def _block(block: Block, hidden: torch.Tensor, cos, sin, attend) -> torch.Tensor
     attention = block.attention
     query, key, value = attention.project(_norm(hidden, block.attention_norm), cos, sin)
     attended = attend(block.layer_index, query, key, value)  # [rows, heads, head_dim]
-    hidden = hidden + attention.output(attended.flatten(-2))
+    hidden = hidden + attention.project_output(attended.flatten(-2))
     return hidden + block.mlp(_norm(hidden, block.mlp_norm))
 
 

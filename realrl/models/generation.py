@@ -210,15 +210,26 @@ def _features_first_block(
     attention, mlp = block.attention, block.mlp
     heads, kv_heads = attention.num_heads, attention.num_kv_heads
     normed = _features_first_rms_norm(hidden, block.attention_norm.weight, block.attention_norm.eps)
-    qkv = torch.mm(attention.qkv.weight, normed)  # [(heads + 2 * kv_heads) * head_dim, rows]
-    if attention.qkv.bias is not None:
+    qkv = _features_first_linear(attention.qkv, attention.qkv_lora, normed)
+    if attention.qkv.bias is not None:  # [(heads + 2 * kv_heads) * head_dim, rows]
         qkv = qkv + attention.qkv.bias[:, None]
     query, key, value = split_rotated_qkv(qkv.t(), heads, kv_heads, cos, sin)
     attended = attend(block.layer_index, query, key, value)  # [rows, heads, head_dim]
-    hidden = hidden + torch.mm(attention.output.weight, attended.flatten(1).t())
+    hidden = hidden + _features_first_linear(
+        attention.output, attention.output_lora, attended.flatten(1).t())
     normed = _features_first_rms_norm(hidden, block.mlp_norm.weight, block.mlp_norm.eps)
-    gate, up = torch.mm(mlp.gate_up.weight, normed).split(mlp.local_intermediate, 0)
-    return hidden + torch.mm(mlp.down.weight, F.silu(gate) * up)
+    gate_up = _features_first_linear(mlp.gate_up, mlp.gate_up_lora, normed)
+    gate, up = gate_up.split(mlp.local_intermediate, 0)
+    return hidden + _features_first_linear(mlp.down, mlp.down_lora, F.silu(gate) * up)
+
+
+def _features_first_linear(layer, adapter, hidden: torch.Tensor) -> torch.Tensor:
+    """A bias-free projection of features-first hidden [in, rows] -> [out, rows], with its
+    LoRA adapter's delta when it has one (`realrl.models.lora`)."""
+    output = torch.mm(layer.weight, hidden)
+    if adapter is not None:
+        output = output + adapter.features_first(hidden)
+    return output
 
 
 # Compiled decode steps pad the cache to a multiple of this many columns, so that prompts of

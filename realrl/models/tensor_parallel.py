@@ -9,7 +9,10 @@ without importing megatron-core:
 - column-parallel weights and biases (`attention.qkv`, `mlp.gate_up`) and the
   vocabulary-parallel embedding and LM head are split along dim 0 (megatron's
   `partition_dim=0`), row-parallel weights (`attention.output`, `mlp.down`) along dim 1;
-- everything else (norms, a critic's value head) is replicated.
+- everything else (norms, a critic's value head) is replicated;
+- LoRA adapters (`realrl.models.lora`) split like their layer: beside a column-parallel layer
+  B along dim 0 (each component's B alone, unfused) and A replicated, beside a row-parallel
+  one A along dim 1 and B replicated.
 
 Fused weights are split per component, so rank r holds [its q heads; its k heads; its v heads]
 and [its gate rows; its up rows]: to megatron's layers a fused weight is one matrix, and the
@@ -26,6 +29,8 @@ from realrl.models.config import ModelConfig
 def _split_rule(name: str, config: ModelConfig) -> tuple[int, list[int]] | None:
     """(split dimension, fused component sizes) of a realrl weight, or None if replicated."""
     head_dim = config.head_dim
+    if "_lora.lora_" in name:
+        return _adapter_split_rule(name)
     if name.endswith(("attention.qkv.weight", "attention.qkv.bias")):
         kv = config.num_key_value_heads * head_dim
         return 0, [config.num_attention_heads * head_dim, kv, kv]
@@ -35,6 +40,15 @@ def _split_rule(name: str, config: ModelConfig) -> tuple[int, list[int]] | None:
         return 1, []
     if name in ("embedding.weight", "lm_head.weight"):
         return 0, []
+    return None
+
+
+def _adapter_split_rule(name: str) -> tuple[int, list[int]] | None:
+    """A LoRA factor's split: B beside column-parallel layers, A beside row-parallel ones."""
+    if (".qkv_lora.lora_B." in name) or (".gate_up_lora.lora_B." in name):
+        return 0, []
+    if (".output_lora.lora_A." in name) or (".down_lora.lora_A." in name):
+        return 1, []
     return None
 
 

@@ -53,7 +53,9 @@ class Attention(nn.Module):
     """Grouped-query self-attention with one fused query/key/value projection.
 
     The fused weight stacks [q heads; k heads; v heads] along the output dimension (HF's
-    q_proj, k_proj, v_proj concatenated), so one matmul serves all three.
+    q_proj, k_proj, v_proj concatenated), so one matmul serves all three. `qkv_lora` and
+    `output_lora` are LoRA adapters added to the projections' outputs
+    (`realrl.models.lora.add_adapters`; None without).
     """
 
     def __init__(self, config: ModelConfig, factory: LayerFactory) -> None:
@@ -67,14 +69,27 @@ class Attention(nn.Module):
         self.qkv = factory.linear(config.hidden_size, global_qkv, config.qkv_bias, "column")
         global_out = config.num_attention_heads * self.head_dim
         self.output = factory.linear(global_out, config.hidden_size, False, "row")
+        self.qkv_lora: nn.Module | None = None
+        self.output_lora: nn.Module | None = None
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """hidden [..., hidden_size] -> rotated query [..., heads, head_dim], key, value."""
-        return split_rotated_qkv(self.qkv(hidden), self.num_heads, self.num_kv_heads, cos, sin)
+        qkv = self.qkv(hidden)
+        if self.qkv_lora is not None:
+            qkv = qkv + self.qkv_lora(hidden)
+        return split_rotated_qkv(qkv, self.num_heads, self.num_kv_heads, cos, sin)
+
+    def project_output(self, attended: torch.Tensor) -> torch.Tensor:
+        """attended [..., heads * head_dim] -> [..., hidden_size]."""
+        output = self.output(attended)
+        if self.output_lora is not None:
+            output = output + self.output_lora(attended)
+        return output
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused in one matmul;
+    `gate_up_lora` and `down_lora` are LoRA adapters (None without)."""
 
     def __init__(self, config: ModelConfig, factory: LayerFactory) -> None:
         super().__init__()
@@ -82,10 +97,19 @@ class MLP(nn.Module):
         self.local_intermediate = _divide(intermediate, factory.tp_size, "intermediate_size")
         self.gate_up = factory.linear(config.hidden_size, 2 * intermediate, False, "column")
         self.down = factory.linear(intermediate, config.hidden_size, False, "row")
+        self.gate_up_lora: nn.Module | None = None
+        self.down_lora: nn.Module | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(hidden).split(self.local_intermediate, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(hidden)
+        if self.gate_up_lora is not None:
+            gate_up = gate_up + self.gate_up_lora(hidden)
+        gate, up = gate_up.split(self.local_intermediate, dim=-1)
+        activated = F.silu(gate) * up
+        down = self.down(activated)
+        if self.down_lora is not None:
+            down = down + self.down_lora(activated)
+        return down
 
 
 class Block(nn.Module):
@@ -100,7 +124,7 @@ class Block(nn.Module):
     def forward(self, hidden, cos, sin, attend: AttendFn) -> torch.Tensor:
         query, key, value = self.attention.project(self.attention_norm(hidden), cos, sin)
         attended = attend(self.layer_index, query, key, value)  # [..., heads, head_dim]
-        hidden = hidden + self.attention.output(attended.flatten(-2))
+        hidden = hidden + self.attention.project_output(attended.flatten(-2))
         return hidden + self.mlp(self.mlp_norm(hidden))
 
 
@@ -122,6 +146,8 @@ class Transformer(nn.Module):
         # Run the tokens that consecutive packed sequences share from their start once in
         # `forward` (`realrl.models.shared_prefix`); the role's `share_prefixes` config key.
         self.share_prefixes = True
+        # The LoRA adapters' settings (`realrl.models.lora.add_adapters`); None: no adapters.
+        self.lora_config = None
         # Set by `realrl.models.compiled.enable_compiled_blocks`; None: eager blocks.
         self.compiled_blocks: CompiledBlocks | None = None
         # Activation checkpointing (`<role>.gradient_checkpointing`): forwards that build an

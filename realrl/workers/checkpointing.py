@@ -16,6 +16,12 @@ A checkpoint directory holds:
   A language model trained on answers (SFT, DPO) lists the token its answers end with among
   the EOS ids of its generation_config.json (a base model's chat template may close a turn with
   `<|im_end|>` while its config names `<|endoftext|>`), so generation from it stops there;
+- for a role with LoRA adapters (`<role>.lora.rank > 0`), the adapter instead of full weights,
+  in PEFT's format (`adapter_model.safetensors`, `adapter_config.json`: `realrl.models.
+  peft_format`; with a critic's value head), the tokenizer, and with `<role>.lora.save_merged`
+  the merged weights as a full HF model in `<role>/merged/`; the optimizer state beside it
+  holds the adapters' only. Loading reads the adapter back into every hosted layout (the base
+  weights are the run's own, unchanged);
 - `interfaces/<mfc>.pt`: the state an interface keeps between steps (`interface.state`: the PPO
   interfaces' KL controller and value normaliser), written by the first rank of the MFC's
   layout; it is the same on every data-parallel rank (its statistics are all-reduced), so every
@@ -39,11 +45,18 @@ import torch
 from realrl.api.experiment import DatasetKind
 from realrl.models.checkpoint import load_pretrained, save_pretrained
 from realrl.models.config import ModelConfig
+from realrl.models.lora import has_adapters, merged_state_dict
+from realrl.models.peft_format import load_adapter, save_adapter
 from realrl.models.tensor_parallel import shard_state_dict
 from realrl.models.tokenizer import TextFormat, resolve_chat_template
 from realrl.models.transformer import Transformer
 from realrl.workers.checkpoint_disk import fsync_tree
-from realrl.workers.realloc import gather_full_parameters, gather_group_ranks
+from realrl.workers.realloc import (
+    full_parameter_shapes,
+    gather_full_parameters,
+    gather_group_ranks,
+    moving_parameter_shapes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,23 +98,23 @@ def save_worker_state(worker, directory: str) -> None:
 
 
 def _save_role(worker, owner, role_dir: Path) -> None:
-    """Full HF weights (first rank) and this tp rank's optimizer state, from replica 0; with
-    `checkpoint.weights_only` the LR schedule instead of the optimizer state."""
+    """Full HF weights (first rank; a LoRA role's adapter instead, `_save_adapter`) and this
+    tp rank's optimizer state, from replica 0; with `checkpoint.weights_only` the LR schedule
+    instead of the optimizer state."""
     engine = worker.models[owner].engine
-    full = gather_full_parameters(engine, owner, worker.rank, worker.groups)
     role_dir.mkdir(parents=True, exist_ok=True)
     plan = worker.plan
-    if full is not None:
-        config = config_to_save(
-            engine.module.config,
-            engine.tokenizer,
-            plan.dataset_kind,
-            plan.dataset.apply_chat_template,
-        )
-        with torch.device("meta"):
-            model = Transformer(config)
-        model.load_state_dict(full, strict=True, assign=True)
-        save_pretrained(model, role_dir, tokenizer=engine.tokenizer)
+    if has_adapters(engine.module):
+        full = _save_adapter(worker, owner, role_dir)
+    else:
+        full = gather_full_parameters(engine, owner, worker.rank, worker.groups)
+        if full is not None:
+            config = config_to_save(engine.module.config, engine.tokenizer, plan.dataset_kind,
+                                    plan.dataset.apply_chat_template)
+            with torch.device("meta"):
+                model = Transformer(config)
+            model.load_state_dict(full, strict=True, assign=True)
+            save_pretrained(model, role_dir, tokenizer=engine.tokenizer)
     if engine.optimizer is None:
         if engine.ema_masters:  # a bf16 EMA reference's fp32 masters
             torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine))
@@ -110,6 +123,36 @@ def _save_role(worker, owner, role_dir: Path) -> None:
         torch.save(engine.state_for_checkpoint(), role_dir / optimizer_file_name(engine))
     elif full is not None:
         torch.save(engine.lr_scheduler.state_dict(), role_dir / SCHEDULE_FILE)
+
+
+def _save_adapter(worker, owner, role_dir: Path) -> dict | None:
+    """A LoRA role's adapter in PEFT's format and, with `lora.save_merged`, its merged weights
+    in `merged/` (first rank of the gather group; the others take part in the gathers).
+    Returns the adapter state on the writing rank, None elsewhere."""
+    engine = worker.models[owner].engine
+    module, spec = engine.module, worker.plan.models[owner.role]
+    lora = module.lora_config
+    adapter_shapes = moving_parameter_shapes(module)
+    if lora.save_merged:
+        shapes = full_parameter_shapes(module.config) + adapter_shapes
+        full = gather_full_parameters(engine, owner, worker.rank, worker.groups, shapes)
+    else:
+        full = gather_full_parameters(engine, owner, worker.rank, worker.groups, adapter_shapes)
+    if full is None:
+        return None
+    adapter = {name: full[name] for name, _ in adapter_shapes}
+    save_adapter(role_dir, adapter, lora, spec.config.path, module.config.is_critic)
+    if engine.tokenizer is not None:
+        engine.tokenizer.save_pretrained(str(role_dir))
+    if lora.save_merged:
+        config = config_to_save(module.config, engine.tokenizer, worker.plan.dataset_kind,
+                                worker.plan.dataset.apply_chat_template)
+        with torch.device("meta"):
+            model = Transformer(config)
+        model.load_state_dict(merged_state_dict(full, module.config, lora), strict=True,
+                              assign=True)
+        save_pretrained(model, role_dir / "merged", tokenizer=engine.tokenizer)
+    return adapter
 
 
 def config_to_save(
@@ -172,6 +215,10 @@ def load_worker_state(worker, directory: str) -> None:
         engine = hosted.engine
         if engine.shared_weights is not None and engine.parallel.dp_rank > 0:
             continue  # replicas sharing one copy: the first one loads it
+        if has_adapters(engine.module):
+            _load_adapter(engine, role_dir)
+            _load_optimizer_state(engine, role_dir)
+            continue
         loaded = load_pretrained(
             role_dir,
             critic=engine.module.config.is_critic,
@@ -185,18 +232,39 @@ def load_worker_state(worker, directory: str) -> None:
             )
         for name, target in engine.module.named_parameters():
             target.copy_(loaded[name])
-        engine.weights_written()  # a bf16 role's fp32 masters take them (saved ones may follow)
-        if engine.optimizer is not None and (role_dir / SCHEDULE_FILE).is_file():
-            _resume_schedule_only(engine, torch.load(role_dir / SCHEDULE_FILE, weights_only=False))
-        elif engine.optimizer is not None or (role_dir / optimizer_file_name(engine)).is_file():
-            engine.load_checkpoint_state(
-                torch.load(_optimizer_path(role_dir, engine), weights_only=False)
-            )
+        _load_optimizer_state(engine, role_dir)
     for mfc in worker.plan.mfcs:
         path = root / "interfaces" / f"{mfc.name}.pt"
         if path.is_file() and worker.rank in worker.plan.layout_of(mfc.name).ranks:
             _load_interface_state(worker, mfc, torch.load(path, weights_only=False))
     _load_rng_state(worker, root / "rng" / f"rank{worker.rank}.pt")
+
+
+def _load_optimizer_state(engine, role_dir: Path) -> None:
+    """After the weights: fp32 masters take them, then the saved optimizer state, the LR
+    schedule of a weights-only checkpoint, or a frozen EMA target's fp32 masters."""
+    engine.weights_written()  # a bf16 role's fp32 masters take them (saved ones may follow)
+    if engine.optimizer is not None and (role_dir / SCHEDULE_FILE).is_file():
+        _resume_schedule_only(engine, torch.load(role_dir / SCHEDULE_FILE, weights_only=False))
+    elif engine.optimizer is not None or (role_dir / optimizer_file_name(engine)).is_file():
+        engine.load_checkpoint_state(
+            torch.load(_optimizer_path(role_dir, engine), weights_only=False)
+        )
+
+
+@torch.no_grad()
+def _load_adapter(engine, role_dir: Path) -> None:
+    """A LoRA role's saved adapter (PEFT format), into this shard's adapter parameters."""
+    module = engine.module
+    shapes = dict(moving_parameter_shapes(module))
+    loaded = load_adapter(role_dir, module.lora_config, shapes, module.dtype, engine.device)
+    parallel = engine.parallel
+    if parallel.tp_size > 1:
+        loaded = shard_state_dict(loaded, parallel.tp_rank, parallel.tp_size, module.config)
+    parameters = dict(module.named_parameters())
+    for name, tensor in loaded.items():
+        parameters[name].copy_(tensor)
+    logger.info("loaded the LoRA adapter of %s from %s", role_dir.name, role_dir)
 
 
 def _resume_schedule_only(engine, schedule: dict) -> None:

@@ -14,6 +14,13 @@ its training and inference forwards; tensor-parallel shards stay eager (see ther
 A trained layout's optimizer backend follows `<role>.optimizer.backend`
 (`resolve_optimizer_backend`): auto picks megatron-core's DDP and distributed optimizer on CUDA
 workers and the torch backend on CPU ones.
+
+`<role>.lora.rank > 0` freezes the loaded shard and adds LoRA adapters beside its projections
+(`realrl.models.lora`), initialised from the run's seed alike on every rank and layout, so
+only they (and a critic's value head) get gradients and optimizer state. A role whose spec
+names `shares_base_with` (ppo-math's reference of an actor with adapters) loads nothing: its
+engine computes with the base weights of that role's shard on the same rank and tp slicing
+(`base_donor`), the same tensors, without that role's adapters (`realrl.models.lora.base_view`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from realrl.api.experiment import ModelKind, ModelSpec, OptimizerBackendName
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
 from realrl.models.checkpoint import load_pretrained
 from realrl.models.compiled import enable_compiled_blocks
+from realrl.models.lora import add_adapters, base_view
 from realrl.models.tensor_parallel import shard_state_dict
 from realrl.models.tokenizer import load_tokenizer
 from realrl.models.transformer import Transformer
@@ -83,12 +91,30 @@ def shard_module(
     return module
 
 
+def base_donor(spec: ModelSpec, parallel: ParallelContext, hosted: dict) -> TorchEngine | None:
+    """The engine, among `hosted` (layout -> `HostedModel` of this rank), whose base weights a
+    role with `shares_base_with` uses: one of that role's, sliced like `parallel` (the same tp
+    size and rank); None if this rank has none (the plan check, `realrl.api.lora`, refuses
+    such allocations before a run starts)."""
+    for layout, model in sorted(hosted.items()):
+        engine = model.engine
+        if (layout.role == spec.shares_base_with and engine.parallel.tp_size == parallel.tp_size
+                and engine.parallel.tp_rank == parallel.tp_rank):
+            return engine
+    return None
+
+
 def load_engine(
-    spec: ModelSpec, parallel: ParallelContext, trains: bool, total_optimizer_steps: int, seed: int
+    spec: ModelSpec, parallel: ParallelContext, trains: bool, total_optimizer_steps: int,
+    seed: int, adapter_seed: int = 0, donor: TorchEngine | None = None,
 ) -> TorchEngine:
     """Load `spec`'s weights (the launcher has resolved every path), shard them when the layout
     is tensor parallel, and wrap them in an engine with an optimizer when this layout trains
-    the role. `seed` seeds sampling: give every tp rank of a replica the same one."""
+    the role. `seed` seeds sampling: give every tp rank of a replica the same one.
+    `adapter_seed` (the run's seed) initialises LoRA adapters; `donor` (`base_donor`) holds
+    the base weights of a role with `shares_base_with`."""
+    if spec.shares_base_with is not None:
+        return _base_view_engine(spec, parallel, donor, adapter_seed, seed)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -108,6 +134,13 @@ def load_engine(
     if sequence_parallel and device.type != "cuda":
         raise ConfigError([spec.sequence_parallel_without_cuda(device.type)])
     module = shard_module(module, parallel, sequence_parallel)
+    lora = spec.config.lora
+    if lora.enabled:
+        if lora.dropout > 0 and parallel.tp_size > 1:
+            raise ConfigError([f"`{spec.config_key('lora.dropout')}={lora.dropout}` with "
+                               "tensor parallelism: the tp ranks would drop different inputs; "
+                               "set it to 0"])
+        add_adapters(module, lora, adapter_seed)
     module.gradient_checkpointing = spec.config.gradient_checkpointing
     if spec.config.compile:
         key = spec.config_key("compile")
@@ -130,3 +163,25 @@ def load_engine(
         seed=seed,
         backend=backend,
     )
+
+
+def _base_view_engine(spec: ModelSpec, parallel: ParallelContext, donor: TorchEngine | None,
+                      adapter_seed: int, seed: int) -> TorchEngine:
+    """A frozen engine on `donor`'s base weights (no copy), with adapters of its own when
+    `spec.config.lora` asks for them (an EMA reference)."""
+    if donor is None:
+        raise ConfigError([
+            f"role {spec.role!r} uses the base weights of role {spec.shares_base_with!r}, and "
+            f"this rank holds no {spec.shares_base_with!r} layout with tensor-parallel size "
+            f"{parallel.tp_size}: give {spec.role!r}'s MFCs the layout of one of "
+            f"{spec.shares_base_with!r}'s MFCs in `allocation_mode`"])
+    lora = spec.config.lora
+    view = base_view(donor.module, lora if lora.enabled else None, adapter_seed)
+    view.share_prefixes = spec.config.share_prefixes
+    if spec.config.compile and parallel.tp_size == 1 and not lora.enabled:
+        enable_compiled_blocks(view, spec.config_key("compile"))
+    engine = TorchEngine(view, donor.tokenizer, parallel, seed=seed)
+    engine.shares_base = True
+    logger.info("%s computes with %s's base weights (no copy of its own)%s", spec.role,
+                spec.shares_base_with, ", with an adapter of its own" if lora.enabled else "")
+    return engine

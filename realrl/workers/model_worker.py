@@ -90,9 +90,9 @@ class ModelWorker:
                                   limit_bytes=None if limit_gb is None else int(limit_gb * 2**30))
 
     def _build(self) -> None:
-        from realrl.workers.model_loading import load_engine
+        from realrl.workers.model_loading import base_donor, load_engine
 
-        for layout in self.plan.layouts():
+        for layout in self.plan.layouts_in_build_order():
             if self.rank not in layout.ranks:
                 continue
             allocation = self.plan.allocation_of_layout(layout)
@@ -113,7 +113,9 @@ class ModelWorker:
             replica_rank = allocation.rank_at(coords.dp, coords.pp, 0)
             engine = load_engine(spec, parallel, trains=trains,
                                  total_optimizer_steps=self.plan.base.total_train_steps * steps_per_call,
-                                 seed=self.plan.base.seed * 1000 + replica_rank)
+                                 seed=self.plan.base.seed * 1000 + replica_rank,
+                                 adapter_seed=self.plan.base.seed,
+                                 donor=base_donor(spec, parallel, self.models))
             engine.nan_policy = self.plan.base.nan_policy
             # A bf16 EMA target blends into fp32 masters of its own (`TorchEngine.ema_master`).
             ema_target = (layout == self.plan.owner_layout(layout.role)

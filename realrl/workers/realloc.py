@@ -19,6 +19,10 @@ Who does what, in buckets of whole parameters, never through the disk:
 Frozen data-parallel layouts on CPU share one copy of their weights when their ranks can map
 each other's shared memory (`share_replica_weights`); a transfer into one is then written by one
 rank only (`shared_writer`), and the others take part in the broadcast without copying.
+A role with LoRA adapters (`realrl.models.lora`) moves only what trains, its adapters (and a
+critic's value head): its base weights are the checkpoint's in every layout and never change
+(`moving_parameter_shapes`). So does the EMA hook into a reference that shares the actor's
+base weights: it blends the actor's adapter into the reference's own, factor by factor.
 Every rank named by `transfer_ranks` must call `transfer_parameters` for the same transfer; the
 master sends the request to all of them. Each rank enters gathers and broadcasts in bucket
 order, so ranks in both the gather group and the broadcast group cannot deadlock.
@@ -40,6 +44,7 @@ from realrl.api.allocation import ParallelStrategy
 from realrl.backends import shared_memory
 from realrl.backends.torch_engine import TorchEngine
 from realrl.models.config import ModelConfig
+from realrl.models.lora import add_adapters, has_adapters, trained_parameter_names
 from realrl.models.tensor_parallel import shard_state_dict, unshard_state_dicts
 from realrl.models.transformer import Transformer
 from realrl.workers.run_plan import LayoutKey, RunPlan
@@ -114,7 +119,7 @@ def share_replica_weights(engine: TorchEngine, layout: LayoutKey, private: bool)
     with its fp32 EMA masters, keeps its own). Whether they do."""
     strategy = ParallelStrategy.parse(layout.strategy)
     if (private or strategy.tensor > 1 or strategy.data < 2 or engine.device.type != "cpu"
-            or not environment.shared_memory_enabled()):
+            or engine.shares_base or not environment.shared_memory_enabled()):
         return False
     engine.shared_weights = shared_memory.share_replica_weights(
         engine.module, engine.parallel.dp_group
@@ -212,6 +217,24 @@ def full_parameter_shapes(config: ModelConfig) -> list[tuple[str, torch.Size]]:
         with torch.device("meta"):
             model = Transformer(config)
         _SHAPES[key] = [(name, parameter.shape) for name, parameter in model.named_parameters()]
+    return _SHAPES[key]
+
+
+def moving_parameter_shapes(module: Transformer) -> list[tuple[str, torch.Size]]:
+    """(name, full shape) of the parameters a transfer moves: all of them, or for a model with
+    LoRA adapters only the ones that train (`trained_parameter_names`), in `named_parameters`
+    order."""
+    if not has_adapters(module):
+        return full_parameter_shapes(module.config)
+    lora = module.lora_config
+    key = json.dumps([dataclasses.asdict(module.config), dataclasses.asdict(lora)],
+                     sort_keys=True, default=str)
+    if key not in _SHAPES:
+        with torch.device("meta"):
+            model = add_adapters(Transformer(module.config), lora, seed=0)
+        trained = set(trained_parameter_names(model))
+        _SHAPES[key] = [(name, parameter.shape) for name, parameter in model.named_parameters()
+                        if name in trained]
     return _SHAPES[key]
 
 
@@ -352,15 +375,18 @@ def _blend_full_into(
 
 
 def gather_full_parameters(
-    engine: TorchEngine, layout: LayoutKey, rank: int, groups: ProcessGroups
+    engine: TorchEngine, layout: LayoutKey, rank: int, groups: ProcessGroups,
+    shapes: list[tuple[str, torch.Size]] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """The full (unsharded) parameters of `layout`'s replica 0, on its first rank (None on the
-    other ranks of that tp group, which must call too). Used for checkpoints."""
+    other ranks of that tp group, which must call too). Used for checkpoints. `shapes`:
+    (name, full shape) of the parameters to gather; default every base parameter."""
     root = source_rank(layout)
     group = groups.tensor_group(layout, rank) if tensor_size(layout) > 1 else None
     dtype = engine.module.dtype
     full: dict[str, torch.Tensor] = {}
-    for bucket in _buckets(full_parameter_shapes(engine.module.config), dtype.itemsize):
+    shapes = full_parameter_shapes(engine.module.config) if shapes is None else shapes
+    for bucket in _buckets(shapes, dtype.itemsize):
         gathered = _gather_bucket(engine, [name for name, _ in bucket], dtype, root, group)
         if gathered is not None:
             full.update(gathered)
@@ -399,11 +425,10 @@ def transfer_parameters(
         )
     # Local blends come last: in shared memory the receivers read the sender's buffer meanwhile.
     if rank in local_ranks(source, target) and writes:
-        for (name, target_param), source_param in zip(
-            target_engine.module.named_parameters(), source_engine.module.parameters(),
-            strict=True,
-        ):
-            _blend(target_engine, name, target_param, source_param, eta)
+        targets = dict(target_engine.module.named_parameters())
+        sources = dict(source_engine.module.named_parameters())
+        for name, _ in moving_parameter_shapes(target_engine.module):
+            _blend(target_engine, name, targets[name], sources[name], eta)
     if released is not None:
         if pending is not None:
             pending.append(released)
@@ -430,7 +455,7 @@ def _send_full_parameters(source_engine, target_engine, source: LayoutKey, targe
     engine = source_engine if gathers else target_engine
     wire_dtype = DTYPES[plan.models[source.role].config.dtype.value]
     blends = writes and (receives or (rank == sender and _sender_blends(source, target)))
-    shapes = full_parameter_shapes(engine.module.config)
+    shapes = moving_parameter_shapes(engine.module)
     buckets = list(_buckets(shapes, wire_dtype.itemsize))
     posts = posts and rank == sender and not blends and engine.device.type == "cpu"
     shared = None

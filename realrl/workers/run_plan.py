@@ -72,6 +72,12 @@ class RunPlan:
         """Every distinct layout, in a deterministic order (process groups depend on it)."""
         return sorted({self.layout_of(m.name) for m in self.mfcs if self.has_weights(m)})
 
+    def layouts_in_build_order(self) -> list[LayoutKey]:
+        """`layouts()`, those of roles that use another role's base weights
+        (`ModelSpec.shares_base_with`) last: they take the weights of that role's layouts."""
+        return sorted(self.layouts(),
+                      key=lambda layout: self.models[layout.role].shares_base_with is not None)
+
     def owner_layout(self, role: str) -> LayoutKey:
         mfcs = [m for m in self.mfcs if m.model_role == role]
         train = [m for m in mfcs if m.is_train]
@@ -122,7 +128,8 @@ class RunPlan:
         models = {}
         for role, spec in data["models"].items():
             config = None if spec["config"] is None else from_data(ModelRoleConfig, spec["config"])
-            models[role] = ModelSpec(role, ModelKind(spec["kind"]), config, spec["trainable"])
+            models[role] = ModelSpec(role, ModelKind(spec["kind"]), config, spec["trainable"],
+                                     spec.get("shares_base_with"))
         return cls(
             base=from_data(BaseExperimentConfig, data["base"]),
             dataset=from_data(DatasetConfig, data["dataset"]),
