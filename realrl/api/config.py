@@ -242,6 +242,85 @@ class WatchdogConfig:
         return problems
 
 
+# `async` is a keyword, hence the functional form; OmegaConf parses members by name.
+RolloutMode = enum.Enum("RolloutMode", [("sync", "sync"), ("async", "async")], type=str)
+
+
+@dataclass
+class RolloutConfig:
+    """Synchronous rollouts, or AReaL-style asynchronous (streaming) ones
+    (`realrl.workers.async_rollout`).
+
+    With `mode=async` the master keeps the generation workers busy: it sends the rollout MFCs
+    (every MFC but the train ones) one small request at a time and trains each step on finished
+    groups. `max_head_offpolicyness` is AReaL's admission rule (Fu et al. 2025, sec. 5.1): with
+    `v` train steps done and `B = dataset.batch_size` prompt groups per step, a request starts
+    only while at most `(eta + v + 1) * B` groups have been started in all (running, finished or
+    trained), so a group trains at most `eta` steps after the weights that generated it.
+    """
+
+    mode: RolloutMode = help_field(
+        RolloutMode.sync,
+        "sync: each step generates its batch, then trains on it (with `pipeline_rollout=true` "
+        "one batch ahead). async: the rollout MFCs run continuously on their own workers, one "
+        "request per `rollout.groups_per_request` prompt groups, and each step trains on the "
+        "next `dataset.batch_size` finished groups, in data order; how stale they may be is "
+        "`rollout.max_head_offpolicyness`. Needs the rollout MFCs and the train MFCs on "
+        "different workers (allocation_mode=auto does that).",
+    )
+    max_head_offpolicyness: int = help_field(
+        1,
+        "rollout.mode=async: the staleness bound eta. A request may start only while at most "
+        "(eta + v + 1) * dataset.batch_size prompt groups have been started, v being the train "
+        "steps done, so a group is trained at most eta steps after the weights that generated "
+        "it. 0 is synchronous training (the same batches and, with "
+        "`rollout.groups_per_request=dataset.batch_size`, the same updates bit for bit).",
+    )
+    groups_per_request: int = help_field(
+        1,
+        "rollout.mode=async: prompt groups (prompts, each with its group_size responses) per "
+        "rollout request. Small requests hand new weights to generation sooner (it takes them "
+        "between requests); large ones generate faster per token on CPU (more rows per decode "
+        "step). Must divide dataset.batch_size and be at least the rollout MFCs' data-parallel "
+        "size.",
+    )
+
+    @property
+    def is_async(self) -> bool:
+        return self.mode == RolloutMode["async"]
+
+    def validate(self, prefix: str, batch_size: int, pipeline_rollout: bool,
+                 rollout_data_parallel: int, has_rollout_filter: bool) -> list[str]:
+        """Problems of an async setting, each naming the key, the value and a fix (none for
+        mode=sync). `rollout_data_parallel`: the largest data-parallel size of a rollout MFC."""
+        if not self.is_async:
+            return []
+        problems = []
+        if pipeline_rollout:
+            problems.append(f"`{prefix}.mode=async` already runs the rollout ahead of training; "
+                            "set pipeline_rollout=false.")
+        if self.max_head_offpolicyness < 0:
+            problems.append(f"`{prefix}.max_head_offpolicyness={self.max_head_offpolicyness}` "
+                            "must be >= 0 (0: synchronous); try 1.")
+        groups = self.groups_per_request
+        if groups < 1 or batch_size % groups:
+            problems.append(f"`{prefix}.groups_per_request={groups}` must divide "
+                            f"`dataset.batch_size={batch_size}`; try 1 or {batch_size}.")
+        elif groups < rollout_data_parallel:
+            problems.append(
+                f"`{prefix}.groups_per_request={groups}` is below the rollout MFCs' "
+                f"data-parallel size {rollout_data_parallel}, which every request is split "
+                f"over; set it to a divisor of {batch_size} that is >= {rollout_data_parallel}."
+            )
+        if has_rollout_filter:
+            problems.append(
+                f"`{prefix}.mode=async` does not run the rollout filter yet (best-of-n with "
+                "generation_size > group_size, or DAPO's ppo.dynamic_sampling); turn them off "
+                f"or use `{prefix}.mode=sync`."
+            )
+        return problems
+
+
 @dataclass
 class BaseExperimentConfig:
     """Keys every experiment has. Experiments subclass this and add their own sections."""
@@ -283,6 +362,9 @@ class BaseExperimentConfig:
         "on it (the PPO ratio's clip bounds the update). Needs the rollout MFCs (every MFC but "
         "the train ones) on other workers than the train MFCs, e.g. "
         "`allocation_mode='actor_train:d1@1,*:d1@0'` with 2 workers.",
+    )
+    rollout: RolloutConfig = help_field(
+        RolloutConfig(), "Synchronous or asynchronous (streaming, staleness-bounded) rollouts."
     )
     share_idle_cores: bool = help_field(
         True,
