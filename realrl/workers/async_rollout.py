@@ -119,7 +119,9 @@ class AsyncRollout:
         except BaseException as error:
             await self._fail(error)
             return
-        version = min(result.generated_by.values(), default=self.version)
+        # Versions count train steps from the run's start (the master's count from this
+        # process's, which a resumed run starts at its checkpoint's step).
+        version = self.steps.start + min(result.generated_by.values(), default=self.version)
         result.data.metadata[WEIGHT_VERSION_KEY] = [version] * result.data.bs
         busy_s = sum(seconds for name, seconds in result.timing.items()
                      if name in self.generator_mfcs or name.split("/")[-1] in self.generator_mfcs)
@@ -154,7 +156,7 @@ class AsyncRollout:
             buffered = sum(request.result.data.bs for later in self.batches.values()
                            for request in later if request is not None)
         result = merge_requests(requests, self.steps.start + index + 1)
-        result.stats |= staleness_stats(requests, self.version,
+        result.stats |= staleness_stats(requests, self.steps.start + self.version,
                                         self.bound.max_head_offpolicyness)
         result.stats["async/buffer_groups"] = float(buffered)
         result.stats["async/running_requests"] = float(len(self.running))
