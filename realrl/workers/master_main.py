@@ -1,6 +1,8 @@
 """The master process: publish the plan, wait for the workers, then run the step loop.
 
-One step = one batch from the dataset through the whole graph. Around it: metrics (the MFCs'
+One step = one batch from the dataset through the whole graph (with `pipeline_rollout=true`
+the rollout of the next step runs beside it; with `rollout.mode=async` rollouts stream ahead
+under a staleness bound, `realrl.workers.async_rollout`). Around it: metrics (the MFCs'
 statistics, and what `realrl.workers.samples_log` reads from the step's batch), periodic
 checkpoints (every trained model in Hugging Face format plus optimizer, RNG and data
 position), recovery from the last complete checkpoint with `recover_mode=auto`, and graceful
