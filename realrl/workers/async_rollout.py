@@ -54,10 +54,12 @@ class AsyncRollout:
         settings = master.plan.base.rollout
         self.master, self.data, self.steps = master, data, steps
         self.batch_size = master.plan.dataset.batch_size
-        self.groups_per_request = settings.groups_per_request
+        self.rollout_mfcs = master.plan.rollout_mfcs()
+        data_parallel = max(master.plan.allocations[name].strategy.data
+                            for name in self.rollout_mfcs)
+        self.groups_per_request = settings.request_groups(self.batch_size, data_parallel)
         self.bound = StalenessBound(settings.max_head_offpolicyness, self.batch_size)
         self.version = 0  # train steps done in this process
-        self.rollout_mfcs = master.plan.rollout_mfcs()
         generation_ranks = {rank for mfc in master.plan.mfcs if mfc.kind == MFCKind.generate
                             for rank in master.plan.allocations[mfc.name].mesh.ranks}
         # The rollout MFCs that occupy the generation workers: their time is the busy time.

@@ -79,6 +79,7 @@ def test_async_rollout_streams_groups_within_the_bound_and_checkpoints_the_untra
     result = run_cli("ppo-math", [
         f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
         "rollout.mode=async", f"rollout.max_head_offpolicyness={eta}",
+        "rollout.groups_per_request=1",
         "total_train_steps=4", "save_freq_steps=2",
     ], cli_env)
     assert result.returncode == 0, describe(result)

@@ -83,7 +83,8 @@ def test_killing_a_worker_mid_step_stops_the_run_and_names_it(
     assert stopped_after_s < STOP_DEADLINE_S, f"took {stopped_after_s:.1f} s to stop"
     assert len(read_metrics(run_dir)) < 200
     assert f"'worker{killed_rank}'" in stderr and "SIGKILL" in stderr, stderr
-    last_log_line = (run_dir / "logs" / f"worker{killed_rank}.log").read_text().strip().splitlines()[-1]
+    log = (run_dir / "logs" / f"worker{killed_rank}.log").read_text()
+    last_log_line = log.strip().splitlines()[-1]
     assert last_log_line in stderr
     assert leftovers == {}, f"processes left behind: {leftovers}"
 

@@ -38,4 +38,6 @@ def test_requests_must_divide_the_batch_and_cover_the_data_parallel_ranks(tmp_pa
                          "rollout.groups_per_request=4"])
     assert "`rollout.groups_per_request=4` must divide `dataset.batch_size=6`" in str(error.value)
     with pytest.raises(ConfigError, match="data-parallel size 2"):
-        _plan(tmp_path, ["n_devices_per_node=4", "dataset.batch_size=6"])
+        _plan(tmp_path, ["n_devices_per_node=4", "dataset.batch_size=6",
+                         "rollout.groups_per_request=1"])
+    _plan(tmp_path, ["n_devices_per_node=4", "dataset.batch_size=6"])  # 0: 2 groups, dp 2

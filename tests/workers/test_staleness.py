@@ -104,6 +104,12 @@ def test_async_settings_are_checked_with_the_key_and_a_fix():
     assert "`rollout.max_head_offpolicyness=-1`" in problems[1]
     assert "`rollout.groups_per_request=3` must divide `dataset.batch_size=8`" in problems[2]
     assert "rollout filter" in problems[3]
+    # 0: a quarter of the batch, or the next divisor of it, at least the data-parallel size.
+    automatic = RolloutConfig(mode=RolloutMode["async"])
+    assert automatic.request_groups(batch_size=16, data_parallel=1) == 4
+    assert automatic.request_groups(batch_size=6, data_parallel=1) == 2  # 6 / 4 -> 2
+    assert automatic.request_groups(batch_size=7, data_parallel=1) == 7  # prime: one request
+    assert automatic.request_groups(batch_size=16, data_parallel=8) == 8
     below_dp = RolloutConfig(mode=RolloutMode["async"], groups_per_request=1)
     assert "data-parallel size 2" in below_dp.validate("rollout", 8, False, 2, False)[0]
     assert RolloutConfig().validate("rollout", 8, True, 2, True) == []  # mode=sync
