@@ -282,9 +282,10 @@ class RolloutConfig:
         "rollout request; 0: a quarter of dataset.batch_size (the smallest divisor of it at "
         "least that large and at least the rollout MFCs' data-parallel size). Small requests "
         "hand new weights to generation sooner (it takes them between requests); large ones "
-        "cost less per token on CPU: with 16 x 8 responses of 8 tokens, one group per request "
-        "made generation 9x slower than one request per batch, four groups 2.9x. Must divide "
-        "dataset.batch_size and be at least the rollout MFCs' data-parallel size.",
+        "cost less per token: on 2 CPU workers each request costs ~0.1 s besides its tokens, "
+        "which made one group per request 4x slower per batch than four groups "
+        "(benchmarks/reward_time.md, 'Asynchronous rollouts'). Must divide dataset.batch_size "
+        "and be at least the rollout MFCs' data-parallel size.",
     )
 
     def request_groups(self, batch_size: int, data_parallel: int) -> int:
