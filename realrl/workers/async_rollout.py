@@ -119,7 +119,7 @@ class AsyncRollout:
         except asyncio.CancelledError:
             raise
         except BaseException as error:
-            await self._fail(error)
+            await self._fail(error, finished=asyncio.current_task())
             return
         # Versions count train steps from the run's start (the master's count from this
         # process's, which a resumed run starts at its checkpoint's step).
@@ -130,11 +130,15 @@ class AsyncRollout:
         async with self.changed:
             self.batches[index][slot] = FinishedRequest(result, version, busy_s)
             self.busy_s += busy_s
+            # Before the notification: a producer woken by it must see the free slot (the done
+            # callback would only run after the producer checked, and nothing might wake it).
+            self.running.discard(asyncio.current_task())
             self.changed.notify_all()
 
-    async def _fail(self, error: BaseException) -> None:
+    async def _fail(self, error: BaseException, finished: asyncio.Task | None = None) -> None:
         async with self.changed:
             self.failure = self.failure or error
+            self.running.discard(finished)
             self.changed.notify_all()
 
     # ------------------------------------------------------------------ trainer side
