@@ -10,6 +10,9 @@ several seeds, and we compare how fast each one's task reward climbs:
   model workers, stopped with SIGTERM when the budget is used;
 - `realrl-pipelined` (opt-in): the same with `pipeline_rollout=true`: worker 0 generates step
   i+1's rollout while worker 1 trains step i, so rollouts are one train step off-policy;
+- `realrl-async-eta1`, `-eta2`, `-eta4` (opt-in): `rollout.mode=async` with
+  `rollout.max_head_offpolicyness` 1, 2, 4: worker 0 streams rollout requests while worker 1
+  trains, each group at most eta train steps off-policy;
 - `loop`: `run_loop` below, one process with 2 torch threads: transformers `generate` (left
   padding, KV cache, sampling) for the rollouts, one padded forward/backward, one AdamW step;
 - `loop-passive` (opt-in): the same loop with `OMP_WAIT_POLICY=PASSIVE`, the setting realrl's
@@ -55,7 +58,8 @@ from baseline_loop import group_advantages, response_mask  # noqa: E402
 logger = logging.getLogger("bench_reward_time")
 BENCH_FILE = Path(__file__).resolve()
 REPO_ROOT = BENCH_FILE.parents[1]
-SYSTEMS = ("realrl", "realrl-pipelined", "loop", "loop-passive")
+SYSTEMS = ("realrl", "realrl-pipelined", "realrl-async-eta1", "realrl-async-eta2",
+           "realrl-async-eta4", "loop", "loop-passive")
 RECIPE = {"batch_size": 16, "group_size": 8, "max_new_tokens": 8, "lr": 2e-4, "train_size": 256}
 GRPO_OVERRIDES = [
     "ppo.disable_value=true",
@@ -286,8 +290,19 @@ def watch_run(
     }
 
 
+def schedule_overrides(system: str) -> list[str]:
+    """`realrl-pipelined`: pipeline_rollout=true; `realrl-async-eta<N>`: rollout.mode=async
+    with the staleness bound N (default request size); `realrl`: synchronous."""
+    if system == "realrl-pipelined":
+        return ["pipeline_rollout=true"]
+    if system.startswith("realrl-async-eta"):
+        eta = int(system.removeprefix("realrl-async-eta"))
+        return ["rollout.mode=async", f"rollout.max_head_offpolicyness={eta}"]
+    return []
+
+
 def realrl_command(args, system: str, seed: int, model: Path, run_root: Path) -> list[str]:
-    pipelined = ["pipeline_rollout=true"] if system == "realrl-pipelined" else []
+    pipelined = schedule_overrides(system)
     return [
         sys.executable,
         "-m",
@@ -478,7 +493,8 @@ def plot_curves(runs: list[dict], window: int, thresholds: list[float], path: Pa
     import matplotlib.pyplot as plt
 
     colours = {"realrl": "tab:blue", "realrl-pipelined": "tab:purple", "loop": "tab:orange",
-               "loop-passive": "tab:green"}
+               "loop-passive": "tab:green", "realrl-async-eta1": "tab:red",
+               "realrl-async-eta2": "tab:brown", "realrl-async-eta4": "tab:pink"}
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for run in runs:
         averages = moving_average([step["reward"] for step in run["steps"]], window)
@@ -523,7 +539,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--systems",
         default="realrl,loop",
         help="Any of realrl, realrl-pipelined (pipeline_rollout=true: generation on one "
-        "worker, training on the other, one step off-policy), loop, loop-passive (the loop "
+        "worker, training on the other, one step off-policy), realrl-async-eta1, -eta2, -eta4 "
+        "(rollout.mode=async with that staleness bound), loop, loop-passive (the loop "
         "with OMP_WAIT_POLICY=PASSIVE, which realrl's launcher gives its workers).",
     )
     parser.add_argument(

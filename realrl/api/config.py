@@ -242,6 +242,96 @@ class WatchdogConfig:
         return problems
 
 
+# `async` is a keyword, hence the functional form; OmegaConf parses members by name.
+RolloutMode = enum.Enum("RolloutMode", [("sync", "sync"), ("async", "async")], type=str)
+
+
+@dataclass
+class RolloutConfig:
+    """Synchronous rollouts, or AReaL-style asynchronous (streaming) ones
+    (`realrl.workers.async_rollout`).
+
+    With `mode=async` the master keeps the generation workers busy: it sends the rollout MFCs
+    (every MFC but the train ones) one small request at a time and trains each step on finished
+    groups. `max_head_offpolicyness` is AReaL's admission rule (Fu et al. 2025, sec. 5.1): with
+    `v` train steps done and `B = dataset.batch_size` prompt groups per step, a request starts
+    only while at most `(eta + v + 1) * B` groups have been started in all (running, finished or
+    trained), so a group trains at most `eta` steps after the weights that generated it.
+    """
+
+    mode: RolloutMode = help_field(
+        RolloutMode.sync,
+        "sync: each step generates its batch, then trains on it (with `pipeline_rollout=true` "
+        "one batch ahead). async: the rollout MFCs run continuously on their own workers, one "
+        "request per `rollout.groups_per_request` prompt groups, and each step trains on the "
+        "next `dataset.batch_size` finished groups, in data order; how stale they may be is "
+        "`rollout.max_head_offpolicyness`. Needs the rollout MFCs and the train MFCs on "
+        "different workers (allocation_mode=auto does that).",
+    )
+    max_head_offpolicyness: int = help_field(
+        1,
+        "rollout.mode=async: the staleness bound eta. A request may start only while at most "
+        "(eta + v + 1) * dataset.batch_size prompt groups have been started, v being the train "
+        "steps done, so a group is trained at most eta steps after the weights that generated "
+        "it. 0 is synchronous training (the same batches and, with "
+        "`rollout.groups_per_request=dataset.batch_size`, the same updates bit for bit).",
+    )
+    groups_per_request: int = help_field(
+        0,
+        "rollout.mode=async: prompt groups (prompts, each with its group_size responses) per "
+        "rollout request; 0: a quarter of dataset.batch_size (the smallest divisor of it at "
+        "least that large and at least the rollout MFCs' data-parallel size). Small requests "
+        "hand new weights to generation sooner (it takes them between requests); large ones "
+        "cost less per token: on 2 CPU workers each request costs ~0.1 s besides its tokens, "
+        "which made one group per request 4x slower per batch than four groups "
+        "(benchmarks/reward_time.md, 'Asynchronous rollouts'). Must divide dataset.batch_size "
+        "and be at least the rollout MFCs' data-parallel size.",
+    )
+
+    def request_groups(self, batch_size: int, data_parallel: int) -> int:
+        """`groups_per_request`, with 0 resolved (see its help)."""
+        if self.groups_per_request:
+            return self.groups_per_request
+        smallest = max(data_parallel, -(-batch_size // 4))
+        divisors = [size for size in range(smallest, batch_size + 1) if batch_size % size == 0]
+        return divisors[0] if divisors else batch_size
+
+    @property
+    def is_async(self) -> bool:
+        return self.mode == RolloutMode["async"]
+
+    def validate(self, prefix: str, batch_size: int, pipeline_rollout: bool,
+                 rollout_data_parallel: int, has_rollout_filter: bool) -> list[str]:
+        """Problems of an async setting, each naming the key, the value and a fix (none for
+        mode=sync). `rollout_data_parallel`: the largest data-parallel size of a rollout MFC."""
+        if not self.is_async:
+            return []
+        problems = []
+        if pipeline_rollout:
+            problems.append(f"`{prefix}.mode=async` already runs the rollout ahead of training; "
+                            "set pipeline_rollout=false.")
+        if self.max_head_offpolicyness < 0:
+            problems.append(f"`{prefix}.max_head_offpolicyness={self.max_head_offpolicyness}` "
+                            "must be >= 0 (0: synchronous); try 1.")
+        groups = self.request_groups(batch_size, rollout_data_parallel)
+        if groups < 1 or batch_size % groups:
+            problems.append(f"`{prefix}.groups_per_request={groups}` must divide "
+                            f"`dataset.batch_size={batch_size}`; try 1 or {batch_size}.")
+        elif groups < rollout_data_parallel:
+            problems.append(
+                f"`{prefix}.groups_per_request={groups}` is below the rollout MFCs' "
+                f"data-parallel size {rollout_data_parallel}, which every request is split "
+                f"over; set it to a divisor of {batch_size} that is >= {rollout_data_parallel}."
+            )
+        if has_rollout_filter:
+            problems.append(
+                f"`{prefix}.mode=async` does not run the rollout filter yet (best-of-n with "
+                "generation_size > group_size, or DAPO's ppo.dynamic_sampling); turn them off "
+                f"or use `{prefix}.mode=sync`."
+            )
+        return problems
+
+
 @dataclass
 class BaseExperimentConfig:
     """Keys every experiment has. Experiments subclass this and add their own sections."""
@@ -283,6 +373,9 @@ class BaseExperimentConfig:
         "on it (the PPO ratio's clip bounds the update). Needs the rollout MFCs (every MFC but "
         "the train ones) on other workers than the train MFCs, e.g. "
         "`allocation_mode='actor_train:d1@1,*:d1@0'` with 2 workers.",
+    )
+    rollout: RolloutConfig = help_field(
+        RolloutConfig(), "Synchronous or asynchronous (streaming, staleness-bounded) rollouts."
     )
     share_idle_cores: bool = help_field(
         True,

@@ -84,21 +84,24 @@ def _train_mfcs(graph: DataflowGraph) -> list[str]:
     return [name for name in graph.order if graph.mfcs[name].is_train]
 
 
-def pipeline_problems(graph: DataflowGraph, allocations: dict[str, MFCAllocation]) -> list[str]:
-    """What keeps `pipeline_rollout=true` from overlapping the rollout with training."""
+def pipeline_problems(graph: DataflowGraph, allocations: dict[str, MFCAllocation],
+                      setting: str = "pipeline_rollout=true") -> list[str]:
+    """What keeps `setting` (`pipeline_rollout=true` or `rollout.mode=async`) from overlapping
+    the rollout with training."""
+    off = ("set pipeline_rollout=false" if setting.startswith("pipeline")
+           else "set rollout.mode=sync")
     train = _train_mfcs(graph)
     rollout = [name for name in graph.order if name not in train]
     if not train or not rollout:
-        return ["`pipeline_rollout=true` overlaps the rollout MFCs with the train MFCs, but this "
-                "graph has " + ("no train MFC" if not train else "only train MFCs")
-                + "; set pipeline_rollout=false."]
+        return [f"`{setting}` overlaps the rollout MFCs with the train MFCs, but this graph has "
+                + ("no train MFC" if not train else "only train MFCs") + f"; {off}."]
     problems = []
     trained_keys = {key for name in train for key in graph.mfcs[name].output_keys}
     for name in rollout:
         needs = sorted(trained_keys & set(graph.mfcs[name].input_keys))
         if needs:
-            problems.append(f"`pipeline_rollout=true`: MFC `{name}` reads {needs} from a train "
-                            "MFC, so it cannot run a step ahead; set pipeline_rollout=false.")
+            problems.append(f"`{setting}`: MFC `{name}` reads {needs} from a train "
+                            f"MFC, so it cannot run a step ahead; {off}.")
     train_ranks = {rank for name in train for rank in allocations[name].mesh.ranks}
     rollout_ranks = {rank for name in rollout for rank in allocations[name].mesh.ranks}
     shared = sorted(train_ranks & rollout_ranks)
@@ -107,12 +110,30 @@ def pipeline_problems(graph: DataflowGraph, allocations: dict[str, MFCAllocation
         fix = (f"`allocation_mode='{split_allocation_mode(train, n_workers)}'`" if n_workers > 1
                else f"`n_devices_per_node=2 allocation_mode='{split_allocation_mode(train, 2)}'`")
         problems.append(
-            f"`pipeline_rollout=true` overlaps the rollout MFCs ({', '.join(rollout)}) with the "
+            f"`{setting}` overlaps the rollout MFCs ({', '.join(rollout)}) with the "
             f"train MFCs ({', '.join(train)}), but both run on rank(s) {shared}, where they would "
             f"take turns. Put them on different workers, e.g. {fix} (or allocation_mode=auto, "
-            "which does this with pipeline_rollout=true)."
+            f"which does this with {setting})."
         )
     return problems
+
+
+def _overlap_setting(config: BaseExperimentConfig) -> str:
+    return "rollout.mode=async" if config.rollout.is_async else "pipeline_rollout=true"
+
+
+def async_rollout_problems(config: BaseExperimentConfig, spec: ExperimentSpec,
+                           graph: DataflowGraph, allocations: dict[str, MFCAllocation]
+                           ) -> list[str]:
+    """`rollout.*` checks that need the graph and the batch size (`RolloutConfig.validate`)."""
+    dataset = getattr(config, "dataset", None)
+    if not config.rollout.is_async or dataset is None:
+        return []
+    train = set(_train_mfcs(graph))
+    data_parallel = max([allocations[name].strategy.data for name in graph.order
+                         if name not in train] or [1])
+    return config.rollout.validate("rollout", dataset.batch_size, config.pipeline_rollout,
+                                   data_parallel, spec.rollout_filter is not None)
 
 
 def logged_key_problems(config: BaseExperimentConfig, graph: DataflowGraph) -> list[str]:
@@ -220,9 +241,10 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     graph = spec.graph()
     problems: list[str] = []
     mode = config.allocation_mode
-    if config.pipeline_rollout and mode.strip() == "auto" and config.n_workers > 1:
+    overlapped = config.pipeline_rollout or config.rollout.is_async
+    if overlapped and mode.strip() == "auto" and config.n_workers > 1:
         mode = split_allocation_mode(_train_mfcs(graph), config.n_workers)
-        logger.info("allocation_mode=auto with pipeline_rollout=true: %s", mode)
+        logger.info("allocation_mode=auto with %s: %s", _overlap_setting(config), mode)
     elif mode.strip() == "auto" and workers_without_gpus(config):
         side_by_side = side_by_side_allocation_mode(spec, graph, config.n_workers)
         if side_by_side is not None:
@@ -248,8 +270,9 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
         shape = _model_shape(model.config.path)
         if shape is not None:
             problems += validate_model_divisibility(allocation, **shape)
-    if config.pipeline_rollout:
-        problems += pipeline_problems(graph, allocations)
+    if overlapped:
+        problems += pipeline_problems(graph, allocations, _overlap_setting(config))
+    problems += async_rollout_problems(config, spec, graph, allocations)
     problems += sequence_parallel_problems(spec, graph, allocations, workers_without_gpus(config))
     problems += lora_plan_problems(spec, graph, allocations)
     problems += logged_key_problems(config, graph)

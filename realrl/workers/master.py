@@ -14,6 +14,8 @@ step, since when), for the hang watchdog (`realrl.workers.watchdog`).
 With `pipeline_rollout=true` a step is split in two halves, the rollout (every MFC but the train
 ones) and the training, and the master loop runs step i+1's rollout while step i trains
 (`realrl.workers.master_main`), so rollouts are generated with weights one train step old.
+With `rollout.mode=async` the rollout half runs on small requests, continuously, as far ahead
+as the staleness bound allows (`realrl.workers.async_rollout`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The master process: publish the plan, wait for the workers, then run the step loop.
 
-One step = one batch from the dataset through the whole graph. Around it: metrics (the MFCs'
+One step = one batch from the dataset through the whole graph (with `pipeline_rollout=true`
+the rollout of the next step runs beside it; with `rollout.mode=async` rollouts stream ahead
+under a staleness bound, `realrl.workers.async_rollout`). Around it: metrics (the MFCs'
 statistics, and what `realrl.workers.samples_log` reads from the step's batch), periodic
 checkpoints (every trained model in Hugging Face format plus optimizer, RNG and data
 position), recovery from the last complete checkpoint with `recover_mode=auto`, and graceful
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
@@ -22,6 +25,7 @@ from pathlib import Path
 from realrl.api.config import RecoverMode
 from realrl.models.tokenizer import load_tokenizer
 from realrl.workers import recovery
+from realrl.workers.async_rollout import async_steps
 from realrl.workers.core_share import unlink_mapped_share_file
 from realrl.workers.data_source import DataSource, tokenizer_path
 from realrl.workers.hang_report import WorkerProcess
@@ -119,7 +123,7 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str],
         heap.between_requests(warmed_up=step == first_step)
 
     steps = range(first_step, plan.base.total_train_steps)
-    run_steps = _pipelined_steps if plan.base.pipeline_rollout else _synchronous_steps
+    run_steps = _step_loop(plan.base)
     try:
         steps_done = await run_steps(master, data, steps, end_of_step, preemption)
     finally:
@@ -148,6 +152,14 @@ def saves_after(base, steps_done: int) -> bool:
     """Whether a checkpoint is written after `steps_done` steps (always after the last)."""
     every = base.save_freq_steps
     return steps_done == base.total_train_steps or bool(every and steps_done % every == 0)
+
+
+def _step_loop(base) -> Callable[..., Awaitable[int]]:
+    """The loop that runs the steps: synchronous, pipelined (`pipeline_rollout`) or
+    asynchronous (`rollout.mode=async`, `realrl.workers.async_rollout`)."""
+    if base.rollout.is_async:
+        return functools.partial(async_steps, saves_after=lambda done: saves_after(base, done))
+    return _pipelined_steps if base.pipeline_rollout else _synchronous_steps
 
 
 async def _synchronous_steps(master: Master, data: DataSource, steps: range,

@@ -59,6 +59,10 @@ def test_realrl_command_sets_the_loops_recipe_in_a_valid_config():
     pipelined = bench.realrl_command(None, "realrl-pipelined", seed=3, model=DEFAULT_ACTOR,
                                      run_root=Path("/tmp/x"))
     assert resolve_config(PPOMathConfig, pipelined[4:]).pipeline_rollout
+    streamed = bench.realrl_command(None, "realrl-async-eta4", seed=3, model=DEFAULT_ACTOR,
+                                    run_root=Path("/tmp/x"))
+    rollout = resolve_config(PPOMathConfig, streamed[4:]).rollout
+    assert rollout.is_async and rollout.max_head_offpolicyness == 4
 
 
 def test_decode_completions_stop_at_the_first_eos():

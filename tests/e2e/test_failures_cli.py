@@ -35,16 +35,19 @@ def worker_pid(run_dir, rank: int) -> int | None:
 
 
 @pytest.mark.parametrize(
-    "schedule",
+    ("schedule", "killed_rank"),
     [
-        pytest.param(["allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2"], id="synchronous"),
+        pytest.param(["allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2"], 1,
+                     id="synchronous"),
         # Worker 1 trains while worker 0 generates the next rollout; the master has a rollout
         # in flight when the trainer dies.
-        pytest.param(["pipeline_rollout=true"], id="pipelined", marks=pytest.mark.slow),
+        pytest.param(["pipeline_rollout=true"], 1, id="pipelined", marks=pytest.mark.slow),
+        # Worker 0 streams rollout requests while worker 1 trains: the generator dies.
+        pytest.param(["rollout.mode=async"], 0, id="async_generator", marks=pytest.mark.slow),
     ],
 )
 def test_killing_a_worker_mid_step_stops_the_run_and_names_it(
-    schedule, tiny_model, cli_env, tmp_path
+    schedule, killed_rank, tiny_model, cli_env, tmp_path
 ):
     run_dir = tmp_path / "runs" / "ppo-math" / "trial0"
     launcher = start_cli(
@@ -63,7 +66,7 @@ def test_killing_a_worker_mid_step_stops_the_run_and_names_it(
     )
     try:
         wait_until(lambda: (run_dir / "metrics.jsonl").is_file(), 240, "the first step", launcher)
-        pid = worker_pid(run_dir, 1)
+        pid = worker_pid(run_dir, killed_rank)
         assert pid is not None, processes_mentioning(str(run_dir))
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -79,8 +82,9 @@ def test_killing_a_worker_mid_step_stops_the_run_and_names_it(
     assert returncode != 0
     assert stopped_after_s < STOP_DEADLINE_S, f"took {stopped_after_s:.1f} s to stop"
     assert len(read_metrics(run_dir)) < 200
-    assert "'worker1'" in stderr and "SIGKILL" in stderr, stderr
-    last_log_line = (run_dir / "logs" / "worker1.log").read_text().strip().splitlines()[-1]
+    assert f"'worker{killed_rank}'" in stderr and "SIGKILL" in stderr, stderr
+    log = (run_dir / "logs" / f"worker{killed_rank}.log").read_text()
+    last_log_line = log.strip().splitlines()[-1]
     assert last_log_line in stderr
     assert leftovers == {}, f"processes left behind: {leftovers}"
 

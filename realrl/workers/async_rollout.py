@@ -1,0 +1,274 @@
+"""Asynchronous rollouts (`rollout.mode=async`): generation streams while training runs.
+
+Two loops share the master's event loop and the per-rank locks of `realrl.workers.master`:
+
+- the *producer* (`AsyncRollout.produce`) draws the data batches in order, splits each into
+  requests of `rollout.groups_per_request` groups, and starts one request (every rollout MFC:
+  generation, rewards, reference and critic inference) as soon as the staleness bound admits
+  it (`realrl.workers.staleness.StalenessBound`) and fewer than `MAX_RUNNING_REQUESTS` run;
+  a finished request's groups wait in the buffer;
+- the *trainer* (`async_steps`) takes batch `k` once all its groups are finished (in data
+  order, so the batches are the synchronous run's), trains on it, and hands the new weights
+  to the generation layouts (`Master.refresh`, the parameter reallocation of a pipelined
+  run), which they take between two requests: the version of a request is that of the weights
+  its generation ran on, recorded per group (`weight_version` metadata).
+
+Checkpoints. Before a save the producer stops starting requests and the running ones finish
+(`pause`); the checkpoint records the data position of the first batch not trained yet, so a
+resumed run generates the buffered and running groups again from the checkpoint's weights:
+no prompt is lost or trained twice, and the resumed run's samples differ from an uninterrupted
+run's (they come from newer weights and another random state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from realrl.api.dfg import MFCKind
+from realrl.workers.data_source import DataSource
+from realrl.workers.master import Master, StepResult
+from realrl.workers.preemption import PreemptionRequest
+from realrl.workers.staleness import (
+    WEIGHT_VERSION_KEY,
+    FinishedRequest,
+    StalenessBound,
+    merge_requests,
+    split_into_requests,
+    staleness_stats,
+)
+
+logger = logging.getLogger(__name__)
+
+# Requests started and not finished at once: one generating, the next queued behind it on the
+# generation workers, so that they never wait for the master between two requests. More would
+# only queue on the same workers, and would take the weights of their admission time.
+MAX_RUNNING_REQUESTS = 2
+
+
+class AsyncRollout:
+    def __init__(self, master: Master, data: DataSource, steps: range):
+        settings = master.plan.base.rollout
+        self.master, self.data, self.steps = master, data, steps
+        self.batch_size = master.plan.dataset.batch_size
+        self.rollout_mfcs = master.plan.rollout_mfcs()
+        data_parallel = max(master.plan.allocations[name].strategy.data
+                            for name in self.rollout_mfcs)
+        self.groups_per_request = settings.request_groups(self.batch_size, data_parallel)
+        self.bound = StalenessBound(settings.max_head_offpolicyness, self.batch_size)
+        self.version = 0  # train steps done in this process
+        generation_ranks = {rank for mfc in master.plan.mfcs if mfc.kind == MFCKind.generate
+                            for rank in master.plan.allocations[mfc.name].mesh.ranks}
+        # The rollout MFCs that occupy the generation workers: their time is the busy time.
+        self.generator_mfcs = {name for name in self.rollout_mfcs
+                               if generation_ranks & set(master.plan.allocations[name].mesh.ranks)}
+        self.changed = asyncio.Condition()
+        self.batches: dict[int, list[FinishedRequest | None]] = {}  # relative index -> requests
+        self.positions: dict[int, dict] = {}  # data position before each drawn batch
+        self.running: set[asyncio.Task] = set()
+        self.failure: BaseException | None = None
+        self.paused = False
+        self.next_to_train = 0
+        self.busy_s = self.bound_wait_s = 0.0  # since the last `interval_stats`
+        self.last_mark = time.perf_counter()
+
+    # ------------------------------------------------------------------ producer
+
+    async def produce(self) -> None:
+        """Start every request of the run's batches, each when admitted."""
+        try:
+            for index in range(len(self.steps)):
+                requests: list = []
+                for position in range(0, self.batch_size, self.groups_per_request):
+                    await self._wait_for_admission(self.groups_per_request)
+                    if position == 0:  # no await since the admission: the pause holds
+                        self.positions[index] = self.data.state_dict()
+                        requests = split_into_requests(self.data.next_batch(),
+                                                       self.groups_per_request)
+                        self.batches[index] = [None] * len(requests)
+                    chunk = requests[position // self.groups_per_request]
+                    self.bound.started += chunk.bs
+                    task = asyncio.create_task(
+                        self._run_request(index, position // self.groups_per_request, chunk))
+                    self.running.add(task)
+                    task.add_done_callback(self.running.discard)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # a data error: the trainer raises it
+            await self._fail(error)
+
+    async def _wait_for_admission(self, groups: int) -> None:
+        """Wait until not paused, a request slot is free and the bound admits `groups`; the
+        time the bound alone held it back counts as `bound_wait_s`."""
+        async with self.changed:
+            while True:
+                held = self.paused or len(self.running) >= MAX_RUNNING_REQUESTS
+                if not held and self.bound.admits(groups, self.version):
+                    return
+                waited_from = time.perf_counter()
+                await self.changed.wait()
+                if not held:
+                    self.bound_wait_s += time.perf_counter() - waited_from
+
+    async def _run_request(self, index: int, slot: int, chunk) -> None:
+        try:
+            result = await self.master.run_rollout(chunk, step=self.steps.start + index + 1)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            await self._fail(error, finished=asyncio.current_task())
+            return
+        # Versions count train steps from the run's start (the master's count from this
+        # process's, which a resumed run starts at its checkpoint's step).
+        version = self.steps.start + min(result.generated_by.values(), default=self.version)
+        result.data.metadata[WEIGHT_VERSION_KEY] = [version] * result.data.bs
+        busy_s = sum(seconds for name, seconds in result.timing.items()
+                     if name in self.generator_mfcs or name.split("/")[-1] in self.generator_mfcs)
+        async with self.changed:
+            self.batches[index][slot] = FinishedRequest(result, version, busy_s)
+            self.busy_s += busy_s
+            # Before the notification: a producer woken by it must see the free slot (the done
+            # callback would only run after the producer checked, and nothing might wake it).
+            self.running.discard(asyncio.current_task())
+            self.changed.notify_all()
+
+    async def _fail(self, error: BaseException, finished: asyncio.Task | None = None) -> None:
+        async with self.changed:
+            self.failure = self.failure or error
+            self.running.discard(finished)
+            self.changed.notify_all()
+
+    # ------------------------------------------------------------------ trainer side
+
+    async def next_batch(self) -> StepResult:
+        """The next batch to train, once all its groups are finished, with its staleness and
+        the buffer's depth in `stats`."""
+        index = self.next_to_train
+
+        def ready() -> bool:
+            requests = self.batches.get(index)
+            return self.failure is not None or (requests is not None and None not in requests)
+
+        async with self.changed:
+            await self.changed.wait_for(ready)
+            if self.failure is not None:
+                raise self.failure
+            requests = self.batches.pop(index)
+            self.positions.pop(index, None)
+            self.next_to_train += 1
+            buffered = sum(request.result.data.bs for later in self.batches.values()
+                           for request in later if request is not None)
+        result = merge_requests(requests, self.steps.start + index + 1)
+        result.stats |= staleness_stats(requests, self.steps.start + self.version,
+                                        self.bound.max_head_offpolicyness)
+        result.stats["async/buffer_groups"] = float(buffered)
+        result.stats["async/running_requests"] = float(len(self.running))
+        return result
+
+    async def publish_weights(self, result: StepResult) -> None:
+        """After a train step: send the new weights to the rollout layouts (they take them
+        between two requests), then admit the requests the new version allows."""
+        started = time.perf_counter()
+        await self.master.refresh(self.rollout_mfcs, result)
+        await self.master.drain()
+        result.stats["async/weight_update_wait_s"] = time.perf_counter() - started
+        async with self.changed:
+            self.version += 1
+            self.changed.notify_all()
+
+    def interval_stats(self, result: StepResult, train_mfcs: list[str]) -> dict[str, float]:
+        """Busy fractions over the time since the last call (one step): the generation workers'
+        (seconds of their rollout MFC calls, counted when a request finishes), the trainer's
+        (its train calls), and the time the staleness bound held the next request back."""
+        now = time.perf_counter()
+        interval = max(now - self.last_mark, 1e-9)
+        train_s = sum(result.timing.get(name, 0.0) for name in train_mfcs)
+        stats = {
+            "async/generator_busy_fraction": min(1.0, self.busy_s / interval),
+            "async/trainer_busy_fraction": min(1.0, train_s / interval),
+            "async/bound_wait_fraction": min(1.0, self.bound_wait_s / interval),
+        }
+        self.busy_s = self.bound_wait_s = 0.0
+        self.last_mark = now
+        return stats
+
+    async def pause(self) -> None:
+        """Stop starting requests and wait for the running ones (before a checkpoint)."""
+        async with self.changed:
+            self.paused = True
+        if self.running:
+            await asyncio.wait(set(self.running))
+        if self.failure is not None:
+            raise self.failure
+
+    async def resume(self) -> None:
+        async with self.changed:
+            self.paused = False
+            self.changed.notify_all()
+
+    @contextlib.contextmanager
+    def untrained_position(self):
+        """Within it, the data source reports the position of the first batch not trained yet
+        (what a checkpoint records); the batches drawn ahead are served as before after it."""
+        ahead = self.data.state_dict()
+        self.data.load_state_dict(self.positions.get(self.next_to_train, ahead))
+        try:
+            yield
+        finally:
+            self.data.load_state_dict(ahead)
+
+    async def stop(self) -> int:
+        """Cancel the producer's requests still running; returns the groups dropped (started
+        and not trained: in flight or in the buffer)."""
+        dropped = self.bound.started - self.next_to_train * self.batch_size
+        for task in list(self.running):
+            task.cancel()
+        for task in list(self.running):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        return dropped
+
+
+async def async_steps(master: Master, data: DataSource, steps: range,
+                      end_of_step: Callable[..., Awaitable[None]],
+                      preemption: PreemptionRequest,
+                      saves_after: Callable[[int], bool]) -> int:
+    """`rollout.mode=async`: train on each batch as soon as its groups are finished while the
+    producer keeps generating; returns the steps done, as `master_main._synchronous_steps`.
+    `saves_after(steps_done)` says whether `end_of_step` writes a checkpoint."""
+    rollout = AsyncRollout(master, data, steps)
+    producer = asyncio.create_task(rollout.produce())
+    train_mfcs = master.plan.train_mfcs()
+    try:
+        for step in steps:
+            if preemption.requested and step == steps.start:
+                return step  # asked during start-up: nothing new to checkpoint
+            started = time.perf_counter()
+            result = await rollout.next_batch()
+            batch_wait_s = time.perf_counter() - started
+            await master.run_training(result)
+            await rollout.publish_weights(result)
+            result.stats |= rollout.interval_stats(result, train_mfcs)
+            stop = preemption.requested
+            if stop or saves_after(step + 1):
+                await rollout.pause()
+                with rollout.untrained_position():
+                    await end_of_step(step, result, time.perf_counter() - started, batch_wait_s,
+                                      stop=stop)
+                await rollout.resume()
+            else:
+                await end_of_step(step, result, time.perf_counter() - started, batch_wait_s)
+            if stop:
+                return step + 1
+        return steps.stop
+    finally:
+        producer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await producer
+        dropped = await rollout.stop()
+        if dropped:
+            logger.info("rollout.mode=async: %d generated or running groups were not trained "
+                        "(the run stopped before their steps)", dropped)

@@ -1,0 +1,132 @@
+"""`rollout.mode=async` through the real CLI: generation on worker 0 streams groups while
+worker 1 trains, within the staleness bound; eta=0 is synchronous training bit for bit; a
+checkpoint records the first untrained batch, so a resumed run loses and repeats no prompt."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from e2e_helpers import (
+    checkpoint_weights,
+    describe,
+    differing_tensors,
+    read_metrics,
+    run_cli,
+    start_cli,
+    without_timing,
+)
+
+BATCH_SIZE = 4
+# One generating worker, one training worker (what allocation_mode=auto gives async runs).
+TWO_WORKERS = [
+    "n_devices_per_node=2", f"dataset.batch_size={BATCH_SIZE}", "group_size=2",
+    "gen.max_new_tokens=8", "ppo.disable_value=true", "ppo.adv_estimator=grpo",
+]
+# Every response of every step in samples.jsonl.
+EVERY_SAMPLE = [f"log.samples_per_step={2 * BATCH_SIZE}", "log.samples_every_steps=1"]
+
+
+def _samples(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
+def test_async_rollout_with_eta_0_trains_exactly_like_synchronous_training(
+    tiny_model, cli_env, tmp_path
+):
+    """With the whole batch in one request and eta=0, each request starts only once the
+    previous step has trained and sent its weights: the same calls as a synchronous step, on
+    the same workers. Both runs go side by side (4 workers on the test machine's cores)."""
+    common = [
+        f"actor.path={tiny_model}", *TWO_WORKERS, "share_idle_cores=false", "seed=3",
+        "allocation_mode=actor_train:d1@1,*:d1@0", "total_train_steps=3",
+        "wandb.mode=disabled", "tensorboard=false",
+    ]
+    runs = {
+        "sync": [],
+        "async": ["rollout.mode=async", "rollout.max_head_offpolicyness=0",
+                  f"rollout.groups_per_request={BATCH_SIZE}"],
+    }
+    processes = {name: start_cli("ppo-math", [*common, f"output_root={tmp_path / name}", *extra],
+                                 cli_env, tmp_path / f"{name}-output")
+                 for name, extra in runs.items()}
+    for name, process in processes.items():
+        assert process.wait(timeout=300) == 0, (
+            (tmp_path / f"{name}-output" / "stderr.txt").read_text()[-4000:])
+    run_dirs = {name: tmp_path / name / "ppo-math" / "trial0" for name in runs}
+    sync, streamed = (read_metrics(run_dirs[name]) for name in runs)
+    assert [record["async/staleness_max"] for record in streamed] == [0, 0, 0]
+    for expected, actual in zip(sync, streamed, strict=True):
+        # The synchronous step reused actor_train's forward run ahead; the async one cannot
+        # (its rollout ran in another request) and runs it in the train call: same numbers.
+        actual = {key: value for key, value in without_timing(actual).items()
+                  if not key.startswith("async/") and key != "actor_train/forward_reused"}
+        expected = {key: value for key, value in without_timing(expected).items()
+                    if key != "actor_train/forward_reused"}
+        assert actual == expected
+    assert not differing_tensors(checkpoint_weights(run_dirs["sync"], 3, "actor"),
+                                 checkpoint_weights(run_dirs["async"], 3, "actor"))
+
+
+def test_async_rollout_streams_groups_within_the_bound_and_checkpoints_the_untrained_position(
+    tiny_model, cli_env, tmp_path
+):
+    """One group per request, eta=2: every group trains 0 to 2 steps after the weights that
+    generated it (its `weight_version`), and each checkpoint's data position is exactly the
+    trained batches, whatever was generated ahead."""
+    eta = 2
+    result = run_cli("ppo-math", [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
+        "rollout.mode=async", f"rollout.max_head_offpolicyness={eta}",
+        "rollout.groups_per_request=1",
+        "total_train_steps=4", "save_freq_steps=2",
+    ], cli_env)
+    assert result.returncode == 0, describe(result)
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    metrics = read_metrics(run_dir)
+    for record in metrics:
+        histogram = [record[f"async/staleness_{s}_groups"] for s in range(eta + 1)]
+        assert sum(histogram) == BATCH_SIZE and 0 <= record["async/staleness_max"] <= eta
+        assert record["actor_train/policy_lag"] == record["async/staleness_max"]
+        assert 0 < record["async/generator_busy_fraction"] <= 1
+        assert 0 < record["async/trainer_busy_fraction"] <= 1
+        assert record["async/buffer_groups"] >= 0
+    assert metrics[0]["async/staleness_max"] == 0  # nothing trained before step 1
+    for row in _samples(run_dir):
+        assert row["step"] - 1 - eta <= row["weight_version"] <= row["step"] - 1
+    for step in (2, 4):
+        master = json.loads((run_dir / "checkpoints" / f"step{step:06d}" / "master.json")
+                            .read_text())
+        assert master["data"]["position"] == step * BATCH_SIZE
+
+
+@pytest.mark.slow
+def test_an_async_run_resumed_mid_run_trains_the_same_prompts_once(tiny_model, cli_env, tmp_path):
+    """A 4-step run checkpoints after step 2, while groups of steps 3-4 are generated ahead;
+    resumed from that checkpoint (the step-4 one removed, as if the run had died before it),
+    steps 3 and 4 train the same prompts as the uninterrupted run, and the 16 prompts of steps
+    1-4 are 16 different ones: none lost, none trained twice."""
+    overrides = [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
+        "rollout.mode=async", "rollout.max_head_offpolicyness=2", "total_train_steps=4",
+        "save_freq_steps=2",
+    ]
+    first = run_cli("ppo-math", overrides, cli_env)
+    assert first.returncode == 0, describe(first)
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    uninterrupted = _prompts_per_step(run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step000004")
+    resumed = run_cli("ppo-math", [*overrides, "recover_mode=auto"], cli_env)
+    assert resumed.returncode == 0, describe(resumed)
+    assert [record["step"] for record in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert _prompts_per_step(run_dir) == uninterrupted
+    assert all(len(prompts) == BATCH_SIZE for prompts in uninterrupted.values())
+    assert len(set().union(*uninterrupted.values())) == 4 * BATCH_SIZE
+
+
+def _prompts_per_step(run_dir) -> dict[int, set[str]]:
+    prompts: dict[int, set[str]] = {}
+    for row in _samples(run_dir):
+        prompts.setdefault(row["step"], set()).add(row["query_id"])
+    return prompts
