@@ -41,7 +41,10 @@ def rank_context():
 
 def environment_for_ranks() -> dict[str, str]:
     """The caller's environment, one thread per rank unless it says otherwise."""
-    return {"OMP_NUM_THREADS": "1", **os.environ}
+    environment = dict(os.environ)
+    if not environment.get("OMP_NUM_THREADS", "").isdigit():  # unset, empty or malformed
+        environment["OMP_NUM_THREADS"] = "1"
+    return environment
 
 
 def run_rank(rank: int, function: Callable, environment: dict[str, str], *args) -> None:
