@@ -42,9 +42,9 @@ _RECOVER_OVERRIDE = re.compile(r"\+{0,2}recover_mode=")
 
 @dataclass
 class PreparedRun:
-    """A checked, planned run whose directory holds everything its processes read."""
+    """A checked, planned run whose directory holds everything its processes read. (The config
+    itself was resolved in place: model paths and length limits filled in.)"""
 
-    config: BaseExperimentConfig  # resolved: model paths and length limits filled in
     plan: LaunchPlan  # the launch plan: graph, allocations, workers
     run_plan: RunPlan  # what the master publishes to the workers (`plan.json`)
     secret: bytes  # the run's message-signing key (`.secret`)
@@ -62,7 +62,7 @@ def prepare_run(config: BaseExperimentConfig) -> PreparedRun:
     run_plan = write_run_files(config, plan)
     sys.stdout.write(f"run directory: {plan.run_dir}\n")
     sys.stdout.flush()
-    return PreparedRun(config, plan, run_plan, load_run_secret(plan.run_dir))
+    return PreparedRun(plan, run_plan, load_run_secret(plan.run_dir))
 
 
 def prepare_run_dir(config: BaseExperimentConfig) -> Path:

@@ -12,7 +12,8 @@ task of a job that ends. realrl writes one sbatch script per submission (see
   `logs/master.log` to the console when the run directory is shared;
 - when any task fails the script ends the job (so no half-dead run keeps its allocation) and
   the launcher exits 1 naming the failed task (from srun's own report), its node, and the
-  last lines of its log;
+  last lines of its log (what a task marked for its log file only, the traceback of an error
+  written for the user, is not shown: `realrl.launcher.processes.is_log_only`);
 - Ctrl-C cancels the job (`scancel`) and waits until it has left the queue; SIGTERM or SIGUSR1
   stops it gracefully instead (`scancel --batch --signal=USR1`, as SLURM itself does
   `slurm.preempt_lead_s` before the time limit): the master finishes its step, writes a
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from realrl.api.config import BaseExperimentConfig, ConfigError, RecoverMode
 from realrl.launcher.prepare import free_port, preemption_message, prepare_run
+from realrl.launcher.processes import is_log_only
 from realrl.launcher.slurm_checks import sbatch_fix
 from realrl.launcher.slurm_script import (
     SlurmJob,
@@ -208,9 +210,11 @@ def _read(path: Path) -> str:
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str] | None:
+    """The last `lines` lines of a task's log, without those for the log file only (a
+    `UserFacingError`'s traceback; `realrl.launcher.processes.is_log_only`)."""
     if not path.is_file():
         return None
-    return _read(path).splitlines()[-lines:]
+    return [line for line in _read(path).splitlines() if not is_log_only(line)][-lines:]
 
 
 def describe_failure(config: BaseExperimentConfig, job_id: str, status: JobStatus) -> str:
@@ -240,7 +244,8 @@ def describe_failure(config: BaseExperimentConfig, job_id: str, status: JobStatu
 
 
 class _LogFollower:
-    """Copies new lines of one log file to the console, with a prefix."""
+    """Copies new lines of one log file to the console, with a prefix (but not the lines for
+    the log file only)."""
 
     def __init__(self, path: Path, prefix: str):
         self.path, self.prefix = path, prefix
@@ -255,7 +260,8 @@ class _LogFollower:
         complete = data[: data.rfind(b"\n") + 1]
         self.offset += len(complete)
         for line in complete.decode("utf-8", errors="replace").splitlines():
-            sys.stdout.write(f"{self.prefix} {line}\n")
+            if not is_log_only(line):
+                sys.stdout.write(f"{self.prefix} {line}\n")
         sys.stdout.flush()
 
 
