@@ -25,8 +25,10 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from realrl.api.errors import UserFacingError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserFacingError, ValueError):
     """A user-facing configuration error; the message lists every problem found."""
 
     def __init__(self, problems: Sequence[str]):

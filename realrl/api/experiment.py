@@ -14,7 +14,7 @@ from realrl.api.config import DType, help_field
 from realrl.api.dfg import DataflowGraph, MFCDef, MicroBatchSpec
 from realrl.api.lora import LoRAConfig, role_lora_problems
 
-# What an empty `<role>.path` loads (`realrl.launcher.run.resolve_model_paths`): the class's
+# What an empty `<role>.path` loads (`realrl.launcher.preflight.resolve_model_paths`): the class's
 # help names the common case; experiments whose roles start elsewhere say so in `key_help`.
 WARM_START_PATH_HELP = (
     "Local Hugging Face checkpoint directory; empty: realrl's default actor, the built-in tiny "

@@ -2,13 +2,17 @@
 
 Workers never re-import the user's experiment module: what they need (models, MFCs with their
 interface configs, allocations, the common settings) travels as JSON and is rebuilt here from
-realrl's own dataclasses. Interface configs are looked up by interface name.
+realrl's own dataclasses. An MFC's interface config is rebuilt from the table of interface
+configs by name that the caller hands in (`realrl.interfaces.configs.INTERFACE_CONFIGS`, from
+`realrl.workers.run_plan`): `realrl/api` is the bottom layer and imports none of the layers
+that build on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -52,14 +56,14 @@ def mfc_to_data(mfc: MFCDef) -> dict:
     return data
 
 
-def mfc_from_data(data: dict) -> MFCDef:
-    from realrl.interfaces.configs import INTERFACE_CONFIGS
-
-    config_class = INTERFACE_CONFIGS.get(data["interface"])
+def mfc_from_data(data: dict, interface_configs: Mapping[str, type]) -> MFCDef:
+    """The MFC `mfc_to_data` wrote; `interface_configs` maps each interface name to the
+    dataclass of its config."""
+    config_class = interface_configs.get(data["interface"])
     if config_class is None:
         raise ValueError(
             f"MFC `{data['name']}` uses unknown interface `{data['interface']}`; registered: "
-            f"{', '.join(sorted(INTERFACE_CONFIGS))}"
+            f"{', '.join(sorted(interface_configs))}"
         )
     fields = dict(data)
     fields["interface_config"] = from_data(config_class, data["interface_config"] or {})

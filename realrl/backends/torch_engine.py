@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from realrl.api.config import NanPolicy
 from realrl.api.data import SequenceSample
+from realrl.api.errors import UserFacingError
 from realrl.api.experiment import OptimizerBackendName, OptimizerConfig
 from realrl.backends.optimizer_backend import OptimizerBackend
 from realrl.backends.torch_optimizer import TorchOptimizerBackend
@@ -39,7 +40,7 @@ from realrl.models.transformer import Transformer
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserFacingError):
     """A NaN or inf loss or gradient norm under `nan_policy=stop`; the worker adds the step,
     the MFC and the role to the message."""
 

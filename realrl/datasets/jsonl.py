@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from realrl.api.errors import UserFacingError
+
 logger = logging.getLogger(__name__)
 
 TypeSpec = type | tuple[type, ...]
 
 
-class DatasetError(ValueError):
+class DatasetError(UserFacingError, ValueError):
     """A dataset file that cannot be used; the message names the file and 1-based lines."""
 
 

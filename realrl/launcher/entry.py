@@ -8,19 +8,47 @@ omits --rank (it is $SLURM_PROCID) and passes --devices-per-node D, so that it c
 placement against the launch plan (see `realrl.launcher.slurm_task`). The master takes SIGUSR1 as
 a request to checkpoint and stop, from its first line on; workers ignore it
 (`realrl.workers.preemption`).
+
+A process that stops on an error written for the user (`realrl.api.errors.UserFacingError`,
+including a worker's, which the master receives as `RemoteUserFacingError`) logs its message as
+one ERROR line and exits 1; its traceback goes to the log file only (`install_worker_logging`
+marks it, the launcher keeps it off the console). Any other error keeps Python's traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
+from realrl.api.errors import UserFacingError
 from realrl.launcher.processes import apply_thread_limit, install_worker_logging, watch_parent
 from realrl.workers.preemption import PreemptionRequest, ignore_preemption_signal
 
+logger = logging.getLogger("realrl.launcher.entry")  # not __name__: run as __main__
+
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parse_arguments(argv)
+    preemption = PreemptionRequest()
+    if args.role == "master":
+        preemption.install()  # first: a stop asked for during start-up is kept for later
+    else:
+        ignore_preemption_signal()
+
+    install_worker_logging()
+    apply_thread_limit()
+    if not args.no_watch_parent:
+        watch_parent()
+    try:
+        return _run_role(args, preemption)
+    except UserFacingError as error:
+        logger.error("stopping the run: %s", error, exc_info=error)
+        return 1
+
+
+def _parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m realrl.launcher.entry")
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--store", required=True, help="HOST:PORT of the rendezvous store")
@@ -33,17 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--rank", type=int, help="default: $SLURM_PROCID (under srun)")
     worker.add_argument("--devices-per-node", type=int,
                         help="under srun: check rank -> (node, device) placement against it")
-    args = parser.parse_args(argv)
-    preemption = PreemptionRequest()
-    if args.role == "master":
-        preemption.install()  # first: a stop asked for during start-up is kept for later
-    else:
-        ignore_preemption_signal()
+    return parser.parse_args(argv)
 
-    install_worker_logging()
-    apply_thread_limit()
-    if not args.no_watch_parent:
-        watch_parent()
+
+def _run_role(args: argparse.Namespace, preemption: PreemptionRequest) -> int:
     host, port = args.store.rsplit(":", 1)
     from realrl.workers.rendezvous import Rendezvous
 

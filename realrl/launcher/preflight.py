@@ -1,7 +1,8 @@
 """Every check a run can pass before a process starts, in one place.
 
-`prepare_launch(config)` is called by `--dry-run`, by the local start and by the SLURM start,
-so that a dry run refuses exactly what a start would. It resolves what the launcher decides
+`prepare_launch(config)` is called by `--dry-run` and by `realrl.launcher.prepare.prepare_run`,
+which both the local and the SLURM start go through, so that a dry run refuses exactly what a
+start would. It resolves what the launcher decides
 for the user (empty `<role>.path`s, null `dataset.max_prompt_len`/`max_seq_len`,
 `slurm.gpu_request=auto`), builds the launch plan, and gathers every problem into one
 `ConfigError` (the CLI prints each on one line and exits 2), each naming the key, the value,
@@ -51,6 +52,7 @@ from realrl.datasets.records import (
 )
 from realrl.launcher.checkpoint_files import checkpoint_problem, read_model_config
 from realrl.launcher.plan import LaunchPlan, build_plan, workers_without_gpus
+from realrl.launcher.warm_start import default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +91,6 @@ def prepare_launch(config: BaseExperimentConfig) -> LaunchPlan:
 def resolve_model_paths(config: BaseExperimentConfig) -> None:
     """Fill empty `*.path` keys: linked roles (critic, ref) take their source's path, the rest
     the built-in default model (see `realrl.launcher.warm_start`)."""
-    from realrl.launcher.warm_start import default_model_path
-
     sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                 if isinstance(getattr(config, f.name), ModelRoleConfig)}
     links = config.model_path_links()

@@ -22,6 +22,12 @@ but whose grandchildren linger.
 A process that stops the run on purpose and says why in a file (the master's hang watchdog,
 `ProcessSpec.report_path`) has that file shown in place of its log tail.
 
+Lines for the log file only: a child's line that starts with `LOG_ONLY_PREFIX` goes to its log
+file but neither to the console nor into the log tail of a failure report. The children's
+logging (`install_worker_logging`) marks so every line of the traceback of an error written for
+the user (`realrl.api.errors.UserFacingError`), whose one-line message is all the user needs to
+see; the SLURM runner drops the same lines from what it shows (`is_log_only`).
+
 Graceful stop: a process whose spec names a `graceful_stop_signal` (the master: SIGUSR1) can
 be asked to checkpoint and exit. SIGTERM or SIGUSR1 to the supervisor is then forwarded to it
 as that signal instead of stopping everything; when it exits with `PREEMPTED_EXIT_CODE`, the
@@ -46,6 +52,7 @@ from pathlib import Path
 from typing import IO
 
 from realrl.api import environment
+from realrl.api.errors import UserFacingError
 from realrl.launcher.console import Console
 from realrl.workers.preemption import PREEMPTED_EXIT_CODE
 
@@ -53,7 +60,13 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 5.0
 DEFAULT_LOG_TAIL_LINES = 30
+LOG_ONLY_PREFIX = "(log only) "  # see the module docstring
 _PR_SET_PDEATHSIG = 1
+
+
+def is_log_only(line: str) -> bool:
+    """Whether a child's output line is for its log file only (not the console, not a tail)."""
+    return line.startswith(LOG_ONLY_PREFIX)
 
 
 @dataclass
@@ -77,13 +90,14 @@ class ProcessFailure(RuntimeError):
     """A supervised process exited non-zero or was killed; the others have been stopped."""
 
     def __init__(self, name: str, pid: int, returncode: int, log_path: Path, log_tail: list[str],
-                 report: str | None = None):
+                 report: str | None = None, log_only_lines: int = 0):
         self.name = name
         self.pid = pid
         self.returncode = returncode
         self.log_path = log_path
-        self.log_tail = log_tail
+        self.log_tail = log_tail  # without the lines for the log file only
         self.report = report  # the process's own account of why it stopped (`report_path`)
+        self.log_only_lines = log_only_lines  # in its log file, left out of the tail
         super().__init__(self._describe())
 
     @property
@@ -108,7 +122,9 @@ class ProcessFailure(RuntimeError):
         if self.report is not None:
             return f"{headline}\n{self.report}"
         tail = "\n".join(f"    {line}" for line in self.log_tail) or "    (no output)"
-        return f"{headline}\n  last {len(self.log_tail)} lines of {self.log_path}:\n{tail}"
+        kept = (f" ({self.log_only_lines} lines of traceback, left out here, are in that file)"
+                if self.log_only_lines else "")
+        return f"{headline}\n  last {len(self.log_tail)} lines of {self.log_path}{kept}:\n{tail}"
 
 
 class SupervisorInterrupted(RuntimeError):
@@ -156,6 +172,7 @@ class _RunningProcess:
     def __init__(self, spec: ProcessSpec, console: Console, tail_lines: int):
         self.spec = spec
         self.log_tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self.log_only_lines = 0  # lines written to the log file only (`is_log_only`)
         self.started_at = time.time()
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(spec.log_path, "a", encoding="utf-8")
@@ -195,9 +212,12 @@ class _RunningProcess:
         prefix = f"{self.spec.console_prefix} " if self.spec.console_prefix else ""
         for raw_line in self.popen.stdout:
             line = raw_line.decode("utf-8", errors="replace").rstrip("\r\n")
-            self.log_tail.append(line)
             self._log_file.write(line + "\n")
             self._log_file.flush()
+            if is_log_only(line):
+                self.log_only_lines += 1
+                continue
+            self.log_tail.append(line)
             self._console.write_line(prefix, line)
 
     def signal_group(self, signal_number: int) -> None:
@@ -359,6 +379,7 @@ class ProcessSupervisor:
             process.spec.log_path,
             list(process.log_tail),
             process.report(),
+            process.log_only_lines,
         )
 
     def stop(self, grace_s: float | None = None) -> None:
@@ -448,7 +469,7 @@ def install_worker_logging(prefix: str = "", level: int | str = logging.INFO) ->
     leading = f"{prefix} " if prefix else ""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        logging.Formatter(
+        ChildLogFormatter(
             f"{leading}%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
         )
     )
@@ -457,3 +478,15 @@ def install_worker_logging(prefix: str = "", level: int | str = logging.INFO) ->
         root.removeHandler(existing)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+class ChildLogFormatter(logging.Formatter):
+    """Marks each line of a `UserFacingError`'s traceback for the log file only
+    (`LOG_ONLY_PREFIX`): the message says what the user needs, the traceback is for whoever
+    reads the log. Other tracebacks, a bug's, are left for the console too."""
+
+    def formatException(self, exc_info) -> str:  # noqa: N802  (logging's name)
+        text = super().formatException(exc_info)
+        if not isinstance(exc_info[1], UserFacingError):
+            return text
+        return "\n".join(LOG_ONLY_PREFIX + line for line in text.splitlines())

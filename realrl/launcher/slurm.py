@@ -4,14 +4,16 @@ Why SLURM does the heavy lifting: it already places tasks, forwards signals, and
 task of a job that ends. realrl writes one sbatch script per submission (see
 `realrl.launcher.slurm_script`), submits it, and follows the job:
 
-- the run directory is prepared exactly as in local mode (`config.yaml`, `plan.json`, the
-  graph, `.secret`, `logs/`), plus `slurm/` with the scripts and SLURM's own output;
+- the run is prepared by the same code as in local mode (`realrl.launcher.prepare`: checks,
+  plan, `config.yaml`, `plan.json`, the graph, `.secret`, `logs/`), plus `slurm/` with the
+  scripts and SLURM's own output;
 - while the job runs, the launcher polls `squeue` (then `scontrol show job`, then `sacct`
   once the job has left the queue) every `slurm.poll_interval_s` and streams
   `logs/master.log` to the console when the run directory is shared;
 - when any task fails the script ends the job (so no half-dead run keeps its allocation) and
   the launcher exits 1 naming the failed task (from srun's own report), its node, and the
-  last lines of its log;
+  last lines of its log (what a task marked for its log file only, the traceback of an error
+  written for the user, is not shown: `realrl.launcher.processes.is_log_only`);
 - Ctrl-C cancels the job (`scancel`) and waits until it has left the queue; SIGTERM or SIGUSR1
   stops it gracefully instead (`scancel --batch --signal=USR1`, as SLURM itself does
   `slurm.preempt_lead_s` before the time limit): the master finishes its step, writes a
@@ -37,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from realrl.api.config import BaseExperimentConfig, ConfigError, RecoverMode
-from realrl.launcher.preflight import prepare_launch
-from realrl.launcher.run import free_port, preemption_message, prepare_run_dir, write_run_files
+from realrl.launcher.prepare import free_port, preemption_message, prepare_run
+from realrl.launcher.processes import is_log_only
 from realrl.launcher.slurm_checks import sbatch_fix
 from realrl.launcher.slurm_script import (
     SlurmJob,
@@ -52,7 +54,6 @@ from realrl.launcher.slurm_script import (
 )
 from realrl.workers.preemption import PREEMPT_SIGNAL, PREEMPTED_EXIT_CODE
 from realrl.workers.recovery import latest_complete_checkpoint
-from realrl.workers.run_secret import load_run_secret
 
 logger = logging.getLogger(__name__)
 
@@ -209,9 +210,11 @@ def _read(path: Path) -> str:
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str] | None:
+    """The last `lines` lines of a task's log, without those for the log file only (a
+    `UserFacingError`'s traceback; `realrl.launcher.processes.is_log_only`)."""
     if not path.is_file():
         return None
-    return _read(path).splitlines()[-lines:]
+    return [line for line in _read(path).splitlines() if not is_log_only(line)][-lines:]
 
 
 def describe_failure(config: BaseExperimentConfig, job_id: str, status: JobStatus) -> str:
@@ -241,7 +244,8 @@ def describe_failure(config: BaseExperimentConfig, job_id: str, status: JobStatu
 
 
 class _LogFollower:
-    """Copies new lines of one log file to the console, with a prefix."""
+    """Copies new lines of one log file to the console, with a prefix (but not the lines for
+    the log file only)."""
 
     def __init__(self, path: Path, prefix: str):
         self.path, self.prefix = path, prefix
@@ -256,7 +260,8 @@ class _LogFollower:
         complete = data[: data.rfind(b"\n") + 1]
         self.offset += len(complete)
         for line in complete.decode("utf-8", errors="replace").splitlines():
-            sys.stdout.write(f"{self.prefix} {line}\n")
+            if not is_log_only(line):
+                sys.stdout.write(f"{self.prefix} {line}\n")
         sys.stdout.flush()
 
 
@@ -307,11 +312,8 @@ def _newest_step(run_dir: Path) -> int:
 
 def run_on_slurm(config: BaseExperimentConfig) -> int:
     """Run `config` as a SLURM job (resubmitting per `recover_mode`); returns the exit code."""
-    plan = prepare_launch(config)
-    prepare_run_dir(config)
-    run_plan = write_run_files(config, plan)
-    sys.stdout.write(f"run directory: {plan.run_dir}\n")
-    secret_hex = load_run_secret(plan.run_dir).hex()
+    prepared = prepare_run(config)
+    run_dir, plan_json = prepared.run_dir, prepared.run_plan.to_json()
     auto = config.recover_mode == RecoverMode.auto
     retries = config.recover_retries if auto else 0
     retries_used, attempt, stop = 0, 0, _GracefulStop()
@@ -319,21 +321,21 @@ def run_on_slurm(config: BaseExperimentConfig) -> int:
     try:
         while True:
             attempt += 1
-            started_from = _newest_step(plan.run_dir)
-            job = SlurmJob(attempt, free_port(), secret_hex, run_plan.to_json())
+            started_from = _newest_step(run_dir)
+            job = SlurmJob(attempt, free_port(), prepared.secret.hex(), plan_json)
             job_id, status = _run_one_attempt(config, job, stop)
             if status.state == "COMPLETED" and status.exit_code in ("", "0:0"):
-                sys.stdout.write(f"SLURM job {job_id} completed; run directory {plan.run_dir}\n")
+                sys.stdout.write(f"SLURM job {job_id} completed; run directory {run_dir}\n")
                 return 0
             if status.exit_code.startswith(f"{PREEMPTED_EXIT_CODE}:"):
-                progressed = _newest_step(plan.run_dir) > started_from
+                progressed = _newest_step(run_dir) > started_from
                 if stop.signal_number is None and auto and (progressed or retries_used < retries):
                     retries_used += 0 if progressed else 1
                     sys.stderr.write(f"SLURM job {job_id} stopped with a checkpoint (time limit "
                                      "or preemption); recover_mode=auto: resubmitting\n")
                     continue
                 how = f"SLURM job {job_id} stopped "
-                sys.stderr.write(f"{preemption_message(plan.run_dir, how)}\n")
+                sys.stderr.write(f"{preemption_message(run_dir, how)}\n")
                 return PREEMPTED_EXIT_CODE
             sys.stderr.write(f"error: {describe_failure(config, job_id, status)}\n")
             if retries_used == retries or stop.signal_number is not None:

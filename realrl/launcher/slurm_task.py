@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 import os
 
+from realrl.api.errors import UserFacingError
+
 logger = logging.getLogger(__name__)
 
 
-class PlacementError(RuntimeError):
+class PlacementError(UserFacingError):
     """SLURM placed a task somewhere other than where the launch plan expects it."""
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from realrl.api import environment
@@ -48,31 +50,39 @@ PACKAGED_ACTOR = Path(__file__).resolve().parents[1] / "assets" / f"default-acto
 
 
 def ensure_warm_start(use_packaged: bool = True) -> Path:
+    """The default actor's directory: the packaged one, else the cached one, else built now
+    into the cache (about 1,500 SFT steps) by running `build_command` in a child process.
+
+    A child process, not `realrl.launcher.run.run_experiment`: the launcher's preflight asks
+    for this path before any runner starts, and a runner imported from here would close an
+    import circle (preflight -> warm_start -> runner -> prepare -> preflight)."""
     if use_packaged and (PACKAGED_ACTOR / "config.json").is_file():
         return PACKAGED_ACTOR
     target = cache_dir() / f"default-actor-{WARM_START_VERSION}"
     if (target / "config.json").is_file():
         return target
-    from realrl.api.config import resolve_config
-    from realrl.experiments.sft import SFTExperimentConfig
-    from realrl.launcher.run import run_experiment
-
-    logger.info("building the default actor (SFT warm start) into %s; done once", target)
     build_root = cache_dir() / "build"
-    overrides = [f"output_root={build_root}", "experiment_name=default-actor",
-                 f"trial_name={WARM_START_VERSION}", *WARM_START_OVERRIDES]
-    config = resolve_config(SFTExperimentConfig, overrides)
-    if run_experiment(config) != 0:
-        raise RuntimeError(f"building the default actor failed; see {config.run_dir}/logs")
+    run_dir = build_root / "default-actor" / WARM_START_VERSION
+    logger.info("building the default actor (SFT warm start) into %s; done once", target)
+    if subprocess.run(build_command(build_root)).returncode != 0:
+        raise RuntimeError(f"building the default actor failed; see {run_dir}/logs")
     from realrl.workers.recovery import latest_complete_checkpoint
 
-    checkpoint = latest_complete_checkpoint(config.run_dir)
+    checkpoint = latest_complete_checkpoint(run_dir)
     staging = target.with_name(target.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(checkpoint / "default", staging,
                     ignore=shutil.ignore_patterns("optimizer*.pt"))
     staging.rename(target)
     return target
+
+
+def build_command(build_root: Path) -> list[str]:
+    """The command that trains the default actor, with its run directory
+    `<build_root>/default-actor/<WARM_START_VERSION>` (the module docstring's command)."""
+    return [sys.executable, "-m", "realrl.apps.quickstart", "sft", f"output_root={build_root}",
+            "experiment_name=default-actor", f"trial_name={WARM_START_VERSION}",
+            *WARM_START_OVERRIDES]
 
 
 if __name__ == "__main__":

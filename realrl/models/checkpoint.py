@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from realrl.api.errors import UserFacingError
 from realrl.models.config import ModelConfig, merged_eos_token_ids
 from realrl.models.families import (
     SCORE_HEAD_NAME,
@@ -49,7 +50,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserFacingError, ValueError):
     """A checkpoint directory does not match what realrl can load; the message says where."""
 
 

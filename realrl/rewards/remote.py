@@ -27,12 +27,14 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from realrl.api.errors import UserFacingError
+
 logger = logging.getLogger(__name__)
 
 EXCERPT_CHARS = 200  # of a bad answer's body, quoted in errors
 
 
-class RemoteRewardError(RuntimeError):
+class RemoteRewardError(UserFacingError):
     """The reward service could not score a batch; the message names the URL and the fix."""
 
 

@@ -32,7 +32,7 @@ step, measured at steps 6-21 of runs where nothing else recompiled.
 
 Decode steps keep their own rule (small ones run on one thread; `realrl.models.generation`),
 and CUDA workers do not use this at all. The local launcher creates the file in shared memory
-(`/dev/shm` where there is one) for each launch (`realrl.launcher.run`); the master removes it
+(`/dev/shm` where there is one) for each launch (`realrl.launcher.local`); the master removes it
 as soon as every worker has mapped it, and the launcher at the latest when the run ends.
 Under SLURM each task has its own CPUs, so nothing is lent there.
 """

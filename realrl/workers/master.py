@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, MFCKind, ParamReallocHook
+from realrl.api.errors import UserFacingError
 from realrl.workers.realloc import transfer_ranks
 from realrl.workers.rollout_filter import apply_rollout_filter
 from realrl.workers.run_plan import LayoutKey, RunPlan
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 24 * 3600.0  # a last resort: the watchdog's deadlines come far sooner
 
 
-class RolloutError(RuntimeError):
+class RolloutError(UserFacingError):
     """Dynamic sampling could not fill the batch with useful prompts."""
 
 

@@ -9,7 +9,10 @@ position), recovery from the last complete checkpoint with `recover_mode=auto`, 
 preemption: asked by SIGUSR1 (`realrl.workers.preemption`), the master finishes the step in
 flight, writes a checkpoint, lets the workers exit and exits with `PREEMPTED_EXIT_CODE`. The
 hang watchdog (`realrl.workers.watchdog`) guards all of it: a call past its deadline or a
-worker that stops answering heartbeats ends the run with a diagnosis and `HANG_EXIT_CODE`.
+worker that stops answering heartbeats ends the run with a diagnosis and `HANG_EXIT_CODE`. An
+error written for the user (`realrl.api.errors.UserFacingError`: a worker's NaN under
+nan_policy=stop or failed reward service, a checkpoint the disk cannot take) ends it with that
+one message, reported by `realrl.launcher.entry`.
 """
 
 from __future__ import annotations
@@ -246,9 +249,6 @@ def run_master(run_dir: Path, rendezvous: Rendezvous, world_size: int,
     except HangError as hang:
         logger.error("%s", hang)
         return HANG_EXIT_CODE
-    except recovery.CheckpointWriteError as error:
-        logger.error("%s", error)  # one line with the fix; torch's own words are in its cause
-        return 1
     if exit_code == 0:
         logger.info("run finished: %s", run_dir)
     return exit_code

@@ -25,6 +25,7 @@ from realrl.api import environment
 from realrl.api.config import NanPolicy
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, MFCKind, OffloadHook
+from realrl.api.errors import UserFacingError
 from realrl.api.experiment import ModelKind
 from realrl.backends.torch_engine import NonFiniteError, ParallelContext, TorchEngine
 from realrl.interfaces.registry import make_interface
@@ -191,8 +192,9 @@ class ModelWorker:
                  f"{mfc.model_role}, rank {self.rank}")
         try:
             result = method(engine, data, mfc.microbatch)
-        except NonFiniteError as error:
-            raise NonFiniteError(f"{where}: {error}") from None
+        except UserFacingError as error:  # a NaN under nan_policy=stop, a reward service down
+            error.add_context(where)
+            raise
         if mfc.kind == MFCKind.train_step and torch_engine is not None:
             result.stats["skipped_steps"] = torch_engine.skipped_steps - skipped_before
         self._check_outputs(result.data, where)
@@ -301,9 +303,10 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
                 break
             try:
                 reply = worker.handle(message)
-            except Exception as exc:
-                logger.exception("request %s failed", message.kind)
-                reply = message.error_reply(f"worker {rank}: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # a UserFacingError's traceback goes to the log file only
+                logger.error("request %s failed: %s", message.kind, exc, exc_info=exc)
+                reply = message.error_reply(f"worker {rank}: {type(exc).__name__}: {exc}",
+                                            user_facing=isinstance(exc, UserFacingError))
             server.send(peer, reply)
             call = (message.header.get("mfc"), bool(message.header.get("ahead")))
             first_run = message.kind == "mfc" and call not in mfcs_run

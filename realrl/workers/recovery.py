@@ -26,6 +26,7 @@ import shutil
 import time
 from pathlib import Path
 
+from realrl.api.errors import UserFacingError
 from realrl.workers.checkpoint_disk import fsync_path, out_of_space, write_failure_reason
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ _COMPLETE_NAME = re.compile(r"step\d+")
 _INCOMPLETE_SUFFIXES = (".tmp", ".deleting")
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(UserFacingError):
     """A checkpoint could not be written; the message is one line with the path and the fix."""
 
 

@@ -35,6 +35,7 @@ from realrl.api.serialization import (
     mfc_to_data,
     to_data,
 )
+from realrl.interfaces.configs import INTERFACE_CONFIGS
 
 
 @dataclass(frozen=True, order=True)
@@ -135,7 +136,7 @@ class RunPlan:
             dataset=from_data(DatasetConfig, data["dataset"]),
             dataset_kind=DatasetKind(data["dataset_kind"]),
             models=models,
-            mfcs=[mfc_from_data(m) for m in data["mfcs"]],
+            mfcs=[mfc_from_data(m, INTERFACE_CONFIGS) for m in data["mfcs"]],
             allocations={n: allocation_from_data(a) for n, a in data["allocations"].items()},
             rollout_filter=(RolloutFilter(**data["rollout_filter"])
                             if data.get("rollout_filter") else None),

@@ -48,6 +48,8 @@ import numpy as np
 import torch
 import zmq
 
+from realrl.api.errors import UserFacingError
+
 logger = logging.getLogger(__name__)
 
 WIRE_VERSION = 1
@@ -77,6 +79,11 @@ class RemoteError(RuntimeError):
     """The peer answered a request with an "error" message."""
 
 
+class RemoteUserFacingError(RemoteError, UserFacingError):
+    """The peer failed the request on a `UserFacingError`: the message, the peer's own, is
+    written for the user, and the peer's traceback is in the peer's log."""
+
+
 @dataclass
 class Message:
     """One typed message: a kind, a JSON-serialisable header and named tensors.
@@ -100,12 +107,15 @@ class Message:
         """A message answering this one (its header carries `reply_to`)."""
         return Message(kind, {**(header or {}), "reply_to": self.message_id}, tensors or {})
 
-    def error_reply(self, error: str) -> Message:
-        return self.reply({"error": error}, kind="error")
+    def error_reply(self, error: str, user_facing: bool = False) -> Message:
+        """An error answer; `user_facing` marks `error` as a message written for the user
+        (from a `UserFacingError`), which the requester raises as `RemoteUserFacingError`."""
+        return self.reply({"error": error, "user_facing": user_facing}, kind="error")
 
     def raise_if_error(self) -> Message:
         if self.kind == "error":
-            raise RemoteError(str(self.header.get("error", "the peer sent an error reply")))
+            error_class = RemoteUserFacingError if self.header.get("user_facing") else RemoteError
+            raise error_class(str(self.header.get("error", "the peer sent an error reply")))
         return self
 
 

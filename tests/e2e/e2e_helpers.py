@@ -88,6 +88,15 @@ def describe(result: subprocess.CompletedProcess) -> str:
     )
 
 
+def assert_traceback_only_in_logs(result: subprocess.CompletedProcess,
+                                  log_files: list[Path]) -> None:
+    """An error written for the user (`realrl.api.errors.UserFacingError`) reached the console
+    as its message alone: no traceback in the CLI's output, one in each of `log_files`."""
+    assert "Traceback" not in result.stdout + result.stderr, describe(result)
+    for path in log_files:
+        assert "Traceback (most recent call last)" in path.read_text(), f"none in {path}"
+
+
 def wait_until(
     condition: Callable[[], bool],
     timeout_s: float,

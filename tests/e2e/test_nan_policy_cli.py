@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from e2e_helpers import describe, read_metrics, run_cli
+from e2e_helpers import assert_traceback_only_in_logs, describe, read_metrics, run_cli
 from safetensors.torch import load_file, save_file
 
 
@@ -35,9 +35,12 @@ def test_stop_names_the_step_mfc_role_and_micro_batch(inf_model, cli_env, tmp_pa
     result = run_cli("sft", [*SFT, f"model.path={inf_model}", "n_devices_per_node=1",
                              f"output_root={tmp_path}"], cli_env)  # nan_policy=stop: default
     assert result.returncode != 0, describe(result)
-    assert ("NonFiniteError: step 1, MFC trainDefault, role default, rank 0: non-finite loss in "
-            "micro-batch 1 of 1") in result.stderr + result.stdout, describe(result)
-    assert "nan_policy=stop" in result.stderr + result.stdout
+    # The launcher's report ends with the one message, naming the worker, step, MFC and role.
+    assert ("stopping the run: worker 0: NonFiniteError: step 1, MFC trainDefault, role default, "
+            "rank 0: non-finite loss in micro-batch 1 of 1") in result.stderr, describe(result)
+    assert "nan_policy=stop" in result.stderr
+    logs = tmp_path / "sft" / "trial0" / "logs"
+    assert_traceback_only_in_logs(result, [logs / "master.log", logs / "worker0.log"])
     assert not (tmp_path / "sft" / "trial0" / "checkpoints").exists()
 
 

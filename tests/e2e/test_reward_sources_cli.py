@@ -20,7 +20,14 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from e2e_helpers import REPO_ROOT, describe, kill_leftovers, processes_mentioning, read_metrics
+from e2e_helpers import (
+    REPO_ROOT,
+    assert_traceback_only_in_logs,
+    describe,
+    kill_leftovers,
+    processes_mentioning,
+    read_metrics,
+)
 from e2e_helpers import run_cli as run
 
 from realrl.workers.recovery import complete_checkpoints
@@ -107,6 +114,13 @@ def test_a_weighted_sum_trains_then_a_garbage_answer_stops_the_run_intact(
     assert "its answer is not JSON: '<html><body>Service Unavailable</body></html>'" in output
     assert 'Fix: the service must answer HTTP 200 with {"rewards": [number, ...]}' in output
     assert "1 try (not retried)" in output
+    # One message, naming the failing worker and MFC; the tracebacks are in the logs only.
+    assert re.search(r"stopping the run: worker \d: RemoteRewardError: step 2, MFC remote_inf, "
+                     r"role \w+, rank \d: the reward service", result.stderr), describe(result)
+    failed = [path for path in (run_dir / "logs").glob("worker*.log")
+              if "RemoteRewardError" in path.read_text()]
+    assert failed, describe(result)
+    assert_traceback_only_in_logs(result, [run_dir / "logs" / "master.log", *failed])
     assert leftovers == {}, f"processes left behind: {leftovers}"
     # Step 1 trained on 0.25 * rule + 0.75 * remote; step 2's rollout met the garbage.
     (record,) = read_metrics(run_dir)

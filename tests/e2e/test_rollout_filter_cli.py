@@ -19,6 +19,7 @@ def test_dynamic_sampling_stops_with_a_clear_error_when_every_group_agrees(tmp_p
     assert result.returncode != 0
     assert "too easy or too hard" in result.stderr
     assert "after 2 generation round(s)" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr  # a message for the user, alone
 
 
 def test_best_of_n_trains_on_group_size_responses_per_prompt(tmp_path, cli_env, tiny_model):

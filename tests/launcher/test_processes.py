@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 from launcher_helpers import default_sigint
 
-from realrl.launcher.processes import ProcessFailure, ProcessSpec, ProcessSupervisor
+from realrl.launcher.processes import (
+    LOG_ONLY_PREFIX,
+    ProcessFailure,
+    ProcessSpec,
+    ProcessSupervisor,
+)
 
 PYTHON = sys.executable
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -332,6 +337,36 @@ def test_worker_logging_and_thread_limit_helpers_configure_the_child(tmp_path, s
     log_line_pattern = r"\[worker 3\] \d\d:\d\d:\d\d INFO realrl\.demo: threads=2"
     assert any(re.fullmatch(log_line_pattern, line) for line in lines), lines
     assert not any("hidden" in line for line in lines)
+
+
+def test_a_user_facing_errors_traceback_goes_to_the_log_file_only(tmp_path, supervise):
+    code = """
+        import logging, sys
+        from realrl.api.errors import UserFacingError
+        from realrl.launcher.processes import install_worker_logging
+        install_worker_logging()
+        for error in (UserFacingError("the service is down: start it"), KeyError("a bug")):
+            try:
+                raise error
+            except Exception as caught:
+                logging.getLogger("realrl.demo").error("failed: %s", caught, exc_info=caught)
+        sys.exit(1)
+    """
+    console = io.StringIO()
+    supervisor = supervise([_spec(tmp_path, "master", code)], console=console)
+    with pytest.raises(ProcessFailure) as failure:
+        supervisor.wait(poll_interval_s=0.05)
+    report = str(failure.value)
+    for shown in (console.getvalue(), report):
+        assert "failed: the service is down: start it" in shown
+        # A bug keeps its traceback; the error written for the user shows its message alone.
+        assert shown.count("Traceback (most recent call last)") == 1, shown
+        assert "KeyError: 'a bug'" in shown and "UserFacingError" not in shown
+    assert "lines of traceback, left out here, are in that file" in report
+    log = (tmp_path / "logs" / "master.log").read_text()
+    assert log.count("Traceback (most recent call last)") == 2
+    assert (f"{LOG_ONLY_PREFIX}realrl.api.errors.UserFacingError: the service is down: start it"
+            in log.splitlines())
 
 
 GRACEFUL_SUPERVISOR_SCRIPT = """

@@ -11,8 +11,9 @@ import realrl.experiments  # noqa: F401  (registers ppo-math)
 from realrl.api import environment
 from realrl.api.config import resolve_config, usable_cores
 from realrl.api.registry import get_experiment
+from realrl.launcher.local import openmp_environment, process_specs
 from realrl.launcher.plan import build_plan
-from realrl.launcher.run import openmp_environment, process_specs, resume_command
+from realrl.launcher.prepare import resume_command
 from realrl.workers.core_share import CoreShareSpec
 
 
@@ -71,7 +72,7 @@ def test_each_worker_gets_its_own_slot_in_the_machine_core_share(tmp_path, monke
 
 
 def test_the_launcher_removes_the_core_share_file_and_makes_none_when_off(tmp_path, monkeypatch):
-    from realrl.launcher import run
+    from realrl.launcher import local, run
 
     made: list = []
 
@@ -83,7 +84,7 @@ def test_the_launcher_removes_the_core_share_file_and_makes_none_when_off(tmp_pa
                     for spec in specs if environment.CORE_SHARE in spec.env)
         raise Stopped
 
-    monkeypatch.setattr(run, "ProcessSupervisor", supervisor_that_stops)
+    monkeypatch.setattr(local, "ProcessSupervisor", supervisor_that_stops)
     for extra, expected in (([], 1), (["share_idle_cores=false"], 0)):
         made.clear()
         # The launcher's checks run first: a real (the built-in) model, workers on any machine.

@@ -12,7 +12,14 @@ import pytest
 
 from realrl.api.config import ConfigError, resolve_config
 from realrl.experiments.sft import SFTExperimentConfig
-from realrl.launcher.slurm import describe_dry_run, find_failed_task
+from realrl.launcher.processes import LOG_ONLY_PREFIX
+from realrl.launcher.slurm import (
+    JobStatus,
+    _LogFollower,
+    describe_dry_run,
+    describe_failure,
+    find_failed_task,
+)
 from realrl.launcher.slurm_script import (
     SlurmJob,
     master_srun,
@@ -169,6 +176,31 @@ def test_failed_task_is_the_first_one_srun_reports_for_the_failed_step():
                               {"master": "srun: error: node0: task 0: Exited with exit code 1\n"})
     assert (master.name, master.how) == ("master", "Exited with exit code 1")
     assert find_failed_task("realrl: all steps finished\n", {}) is None
+
+
+def test_the_log_only_traceback_of_a_user_facing_error_is_neither_followed_nor_reported(
+    tmp_path, capsys
+):
+    config = _config(tmp_path, "mode=slurm")
+    logs, slurm_dir = config.run_dir / "logs", config.run_dir / "slurm"
+    logs.mkdir(parents=True)
+    slurm_dir.mkdir()
+    (slurm_dir / "job-7.out").write_text("realrl: step master failed with exit code 1\n")
+    (slurm_dir / "job-7-master.srun").write_text(
+        "srun: error: node0: task 0: Exited with exit code 1\n")
+    follower = _LogFollower(logs / "master.log", "[master]")
+    (logs / "master.log").write_text(
+        "12:00:01 INFO realrl.workers.master_main: all 2 workers ready\n"
+        "12:00:02 ERROR realrl.launcher.entry: stopping the run: worker 1: NonFiniteError: ...\n"
+        f"{LOG_ONLY_PREFIX}Traceback (most recent call last):\n"
+        f"{LOG_ONLY_PREFIX}realrl.workers.wire.RemoteUserFacingError: worker 1: ...\n")
+    follower.poll()
+    followed = capsys.readouterr().out
+    assert "[master] 12:00:02 ERROR realrl.launcher.entry: stopping the run: worker 1" in followed
+    assert "Traceback" not in followed
+    report = describe_failure(config, "7", JobStatus("FAILED", "1:0"))
+    assert "task 'master' on node node0" in report and "stopping the run: worker 1" in report
+    assert "Traceback" not in report and "last 2 lines of" in report
 
 
 def test_when_both_steps_have_failed_the_job_reports_the_workers_step(tmp_path):

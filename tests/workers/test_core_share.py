@@ -17,7 +17,7 @@ from realrl.api import environment
 from realrl.api.config import resolve_config
 from realrl.api.registry import get_experiment
 from realrl.launcher.plan import build_plan
-from realrl.launcher.run import write_run_files
+from realrl.launcher.prepare import write_run_files
 from realrl.models.compiled import enable_compiled_blocks
 from realrl.models.config import ModelConfig
 from realrl.models.generation import generate

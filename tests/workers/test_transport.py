@@ -17,9 +17,10 @@ import torch
 import zmq
 
 from realrl.api import environment
+from realrl.api.errors import UserFacingError
 from realrl.workers.run_secret import create_run_secret, load_run_secret, run_secret_env
 from realrl.workers.transport import AsyncClient, Client, Server
-from realrl.workers.wire import Message, RemoteError
+from realrl.workers.wire import Message, RemoteError, RemoteUserFacingError
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,17 @@ def test_error_replies_raise_remote_error(echo_worker):
     assert reply.kind == "error"
     with pytest.raises(RemoteError, match="asked to fail"):
         reply.raise_if_error()
+
+
+def test_an_error_reply_marked_user_facing_raises_an_error_written_for_the_user():
+    request = Message("mfc", {"mfc": "actor_train"})
+    message = "worker 1: NonFiniteError: step 2, MFC actor_train, role actor, rank 1: NaN"
+    with pytest.raises(RemoteUserFacingError, match="^worker 1: NonFiniteError: step 2") as raised:
+        request.error_reply(message, user_facing=True).raise_if_error()
+    assert isinstance(raised.value, UserFacingError) and isinstance(raised.value, RemoteError)
+    with pytest.raises(RemoteError) as raised:  # a bug in the worker: not for the user alone
+        request.error_reply("worker 1: KeyError: 'packed_logprobs'").raise_if_error()
+    assert not isinstance(raised.value, UserFacingError)
 
 
 def test_hostile_peers_are_dropped_and_the_worker_keeps_serving(tmp_path, caplog):
