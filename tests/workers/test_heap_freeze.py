@@ -70,3 +70,26 @@ def test_close_stops_watching(freezer):
     gc.collect()
     freezer.between_requests()
     assert freezer.freezes == 0
+
+
+def test_full_passes_still_free_old_cyclic_garbage_after_a_freeze(freezer):
+    # A large frozen heap (the master froze ~270k objects) makes CPython wait for a quarter of
+    # that many objects to grow old before it runs a full pass by itself: without one run
+    # between requests, every cycle below outlived its collection and stayed.
+    heap = [[index] for index in range(300_000)]
+    freezer.between_requests(warmed_up=True)
+    alive, held = weakref.WeakSet(), []
+    for _ in range(400):  # requests
+        node = Node()
+        node.self = node
+        alive.add(node)
+        held.append(node)  # kept over ~60 young collections: it grows old, then dies
+        if len(held) > 20:
+            held.pop(0)
+        churn = [[] for _ in range(2100)]  # three young collections' worth of new containers
+        del churn
+        freezer.between_requests()
+    # 20 held, plus what died since the last full pass (one is due every ~33 requests).
+    assert len(alive) < 100, f"{len(alive)} of 400 cycles never freed"
+    assert freezer.full_passes > 0
+    del heap
