@@ -19,9 +19,10 @@ each name are recorded.
 Summary, per process and quantity: the peak over the whole run, and over the second half of
 the training steps the least-squares slope per 1000 steps with two noise estimates (the
 slope's standard error and the residuals' standard deviation). Growth is flagged when the
-fitted rise over that half exceeds both three standard errors and twice the residual spread
-(and, for counts, one whole fd or thread): a leak shows as a steady rise, the allocator's or
-the load's noise as scatter around a flat line.
+fitted rise over that half exceeds both three standard errors and twice the residual spread,
+and is at least one whole fd or thread, or `--min-slope-mib` (0.1 MiB per 1000 steps) of
+memory: a leak shows as a steady rise, the allocator's or the load's noise as scatter around
+a flat line (`soak_summary.py` says why the floor).
 
     .venv/bin/python benchmarks/soak.py                           # 5000 steps, ~15-25 min
     .venv/bin/python benchmarks/soak.py --steps 300 --interval 2  # a quick check
@@ -35,13 +36,14 @@ import json
 import logging
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_summary import format_summary, summarise  # noqa: E402
+from soak_summary import MIN_SLOPE_MIB, format_summary, summarise  # noqa: E402
 
 logger = logging.getLogger("soak")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", default="/tmp/realrl-soak",
                         help="Run directory root and the run's console log.")
     parser.add_argument("--timeout-s", type=float, default=4 * 3600.0)
+    parser.add_argument("--min-slope-mib", type=float, default=MIN_SLOPE_MIB,
+                        help="Memory slopes (MiB per 1000 steps) below this are never growth.")
     parser.add_argument("overrides", nargs="*", help="Extra key=value for the run.")
     args = parser.parse_args(argv)
     if args.output is None:
@@ -147,16 +151,18 @@ def sample_process(pid: int) -> tuple[dict, dict] | None:
         mappings = shm_mappings(pid)
     except OSError:
         return None
-    mib = 1 / 1024
+    def mib(kib: float) -> float:
+        return round(kib / 1024, 4)  # a KiB is 0.00098 MiB
+
     quantities = {
         "pid": pid,
-        "rss_mib": _status_kib(status, "VmRSS") * mib,
-        "anon_mib": _status_kib(status, "RssAnon") * mib,
-        "shmem_mib": _status_kib(status, "RssShmem") * mib,
+        "rss_mib": mib(_status_kib(status, "VmRSS")),
+        "anon_mib": mib(_status_kib(status, "RssAnon")),
+        "shmem_mib": mib(_status_kib(status, "RssShmem")),
         "fds": len(fd_targets),
         "sockets": sum(target.startswith("socket:") for target in fd_targets),
         "threads": _status_kib(status, "Threads"),
-        "shm_mib": sum(size for _, size in mappings.values()) / 2**20,
+        "shm_mib": mib(sum(size for _, size in mappings.values()) / 1024),
     }
     return quantities, mappings
 
@@ -221,10 +227,11 @@ def take_sample(root_pid: int, started: float, steps: StepCounter,
     segments.update({inode: path.removesuffix(" (deleted)")
                      for (_, inode), (path, _) in run_segments.items()})
     return {
-        "t_s": round(time.monotonic() - started, 3), "step": step, "step_s": step_s,
+        "t_s": round(time.monotonic() - started, 3), "step": step,
+        "step_s": None if step_s is None else round(step_s, 4),
         "load_1m": os.getloadavg()[0],
-        "dev_shm_used_mib": shared_memory_in_use_mib(),
-        "run_shm_mib": sum(size for _, size in run_segments.values()) / 2**20,
+        "dev_shm_used_mib": round(shared_memory_in_use_mib(), 4),
+        "run_shm_mib": round(sum(size for _, size in run_segments.values()) / 2**20, 4),
         "run_shm_segments": len(run_segments), "run_shm_named_files": len(linked),
         "processes": processes,
     }
@@ -249,18 +256,23 @@ def still_running(pids: set[int], root_pid: int) -> list[int]:
 
 
 def write_json(path: Path, result: dict) -> None:
-    """Written whole each time (a temporary file renamed), so a reader never sees half."""
+    """One sample a line, after the rest; written whole each time (a temporary file renamed),
+    so a reader never sees half."""
+    parts = [f"{json.dumps(key)}: {json.dumps(value, indent=1)}"
+             for key, value in result.items() if key != "samples"]
+    samples = ",\n".join(json.dumps(sample, separators=(",", ":")) for sample in result["samples"])
+    parts.append(f'"samples": [\n{samples}\n]')
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(result, indent=1) + "\n")
+    temporary.write_text("{\n" + ",\n".join(parts) + "\n}\n")
     temporary.replace(path)
 
 
 def watch(process: subprocess.Popen, args: argparse.Namespace, result: dict,
           steps: StepCounter, segments: dict[str, str]) -> None:
     """Sample until the run exits. Every 20 samples the samples so far go to `--output`, so a
-    long soak can be read while it runs. Past `--timeout-s`, or on Ctrl-C, the run is asked to
-    stop (SIGTERM) and what was measured is kept."""
+    long soak can be read while it runs. Past `--timeout-s`, or on Ctrl-C or SIGTERM, the run
+    is asked to stop (SIGTERM) and what was measured is kept."""
     started = time.monotonic()
     try:
         while process.poll() is None:
@@ -305,11 +317,16 @@ def run_soak(args: argparse.Namespace) -> dict:
     return result
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` of a run under nohup, which ignores ^C
     result = run_soak(args)
-    result["summary"] = summarise(result)
+    result["summary"] = summarise(result, args.min_slope_mib)
     write_json(Path(args.output), result)
     sys.stdout.write(format_summary(result) + f"\nraw samples: {args.output}\n")
     return 0 if result["returncode"] == 0 else 1

@@ -10,9 +10,14 @@ The line is fitted on the step, so its slope is "per 1000 steps" whatever the sa
 the machine's speed. Noise, two ways: the slope's standard error (`slope_stderr`, from the
 residuals, as if independent) and the residuals' standard deviation (`residual_std`, the
 scatter around the line, in the quantity's unit). `growing` is set when the fitted rise over
-the window (`rise` = slope x window steps) exceeds 3 standard errors, twice the residual
-spread, and, for counts (fds, threads, segments), one whole unit: a leak is a steady rise; a
-sawtooth of the allocator or a pool's worker coming and going is scatter around a flat line.
+the window (`rise` = slope x window steps) exceeds 3 standard errors and twice the residual
+spread, and is material: for counts (fds, threads, segments) at least one whole unit, for
+memory a slope of at least `min_slope_mib` per 1000 steps (default 0.1 MiB, 100 bytes a
+step). A leak is a steady rise; a sawtooth of the allocator or a pool's worker coming and going
+is scatter around a flat line. The floor is there because resident memory is so steady that
+the statistics alone call a few pages significant: the model workers' RSS creeps up in steps
+of a few hundred KiB when a batch larger than any before arrives (glibc keeps freed memory,
+`realrl.workers.malloc`), 0.02 MiB per 1000 steps over a 5000-step run's second half.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ COUNTS = {"fds", "sockets", "threads", "run_shm_segments", "run_shm_named_files"
 # Reported, never flagged: /dev/shm as a whole holds every user's files, and a step time is not
 # a resource (it follows the machine's load).
 NOT_FLAGGED = {"dev_shm_used_mib", "step_s"}
+MIN_SLOPE_MIB = 0.1  # per 1000 steps; smaller memory slopes are never called growth
 
 
 def fit_line(steps: list[float], values: list[float]) -> dict | None:
@@ -49,13 +55,14 @@ def fit_line(steps: list[float], values: list[float]) -> dict | None:
             "rise": slope * width, "points": n}
 
 
-def is_growing(fit: dict | None, quantity: str) -> bool:
+def is_growing(fit: dict | None, quantity: str, min_slope_mib: float = MIN_SLOPE_MIB) -> bool:
     if fit is None or quantity in NOT_FLAGGED:
         return False
     width = fit["window_steps"][1] - fit["window_steps"][0]
-    floor = 1.0 if quantity in COUNTS else 0.0
-    return (fit["rise"] > 3 * fit["slope_stderr"] * width / 1000
-            and fit["rise"] > 2 * fit["residual_std"] and fit["rise"] >= floor)
+    material = (fit["rise"] >= 1.0 if quantity in COUNTS
+                else fit["slope_per_1000_steps"] >= min_slope_mib)
+    return (material and fit["rise"] > 3 * fit["slope_stderr"] * width / 1000
+            and fit["rise"] > 2 * fit["residual_std"])
 
 
 def _series(samples: list[dict], read) -> list[tuple[int, float]]:
@@ -67,14 +74,15 @@ def _series(samples: list[dict], read) -> list[tuple[int, float]]:
     return points
 
 
-def _describe(points: list[tuple[int, float]], quantity: str, first: int, last: int) -> dict:
-    window = [(step, value) for step, value in points if first <= step < last]
-    fit = fit_line([float(s) for s, _ in window], [float(v) for _, v in window])
+def _describe(points: list[tuple[int, float]], quantity: str, window: tuple[float, float],
+              min_slope_mib: float) -> dict:
+    inside = [(step, value) for step, value in points if window[0] <= step < window[1]]
+    fit = fit_line([float(s) for s, _ in inside], [float(v) for _, v in inside])
     return {"peak": max((v for _, v in points), default=None), "fit": fit,
-            "growing": is_growing(fit, quantity)}
+            "growing": is_growing(fit, quantity, min_slope_mib)}
 
 
-def summarise(result: dict) -> dict:
+def summarise(result: dict, min_slope_mib: float = MIN_SLOPE_MIB) -> dict:
     """{"window_steps", "processes": {name: {"pids", quantity: {peak, fit, growing}}},
     "machine": {quantity: ...}, "growing": ["name quantity", ...]}."""
     samples = result["samples"]
@@ -88,14 +96,15 @@ def summarise(result: dict) -> dict:
                                  if name in s["processes"]})}
         for quantity in PROCESS_QUANTITIES:
             points = _series(samples, lambda s, n=name, q=quantity: s["processes"].get(n, {}).get(q))
-            entry[quantity] = _describe(points, quantity, first, last)
+            entry[quantity] = _describe(points, quantity, (first, last), min_slope_mib)
         processes[name] = entry
     machine = {quantity: _describe(_series(samples, lambda s, q=quantity: s.get(q)), quantity,
-                                   first, last) for quantity in MACHINE_QUANTITIES}
+                                   (first, last), min_slope_mib)
+               for quantity in MACHINE_QUANTITIES}
     growing = [f"{name} {q}" for name, entry in processes.items() for q in PROCESS_QUANTITIES
                if entry[q]["growing"]] + [q for q in MACHINE_QUANTITIES if machine[q]["growing"]]
-    return {"window_steps": [first, min(last, final_step)], "processes": processes,
-            "machine": machine, "growing": growing}
+    return {"window_steps": [first, min(last, final_step)], "min_slope_mib": min_slope_mib,
+            "processes": processes, "machine": machine, "growing": growing}
 
 
 def _number(value: float | None) -> str:

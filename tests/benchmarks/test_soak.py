@@ -48,6 +48,15 @@ def test_scatter_around_a_flat_line_and_a_fraction_of_one_fd_are_not_growth():
     assert fit["rise"] < 1.0 and not is_growing(fit, "fds")
 
 
+def test_a_memory_slope_under_the_floor_is_not_growth_however_steady():
+    steps = [float(step) for step in range(0, 2500, 50)]
+    creeping = [400.0 + 0.05 * step / 1000 for step in steps]  # 0.05 MiB per 1000 steps
+    fit = fit_line(steps, creeping)
+    assert fit["slope_per_1000_steps"] == pytest.approx(0.05)
+    assert not is_growing(fit, "rss_mib")
+    assert is_growing(fit, "rss_mib", min_slope_mib=0.01)
+
+
 def test_fit_line_needs_four_points_on_more_than_one_step():
     assert fit_line([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) is None
     assert fit_line([5.0] * 6, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) is None
