@@ -29,6 +29,7 @@ from realrl.api.experiment import (
     ModelKind,
     ModelRoleConfig,
     ModelSpec,
+    linked_path_help,
 )
 from realrl.api.registry import register_experiment
 from realrl.api.reward_config import RewardConfig, RewardSource
@@ -53,8 +54,11 @@ class GenerationExperimentConfig(BaseExperimentConfig):
         "e.g. [rule,model]. Each completion's rewards go into its line of generated.jsonl "
         "(`reward`, and `<source>_rewards` for several sources), each MFC's means into "
         "metrics.jsonl (docs/rewards.md).",
-        "rm.path": "The reward model of reward.sources=[model]: an `rw` run's checkpoint, e.g. "
-        "runs/rw/trial0/checkpoints/latest/default (required with that source).",
+        "rm.path": linked_path_help(
+            "model", " (unused: reward.sources=[model] refuses an empty rm.path); the reward "
+            "model of that source, an `rw` run's checkpoint, e.g. "
+            "runs/rw/trial0/checkpoints/latest/default"
+        ),
     }
 
     model: ModelRoleConfig = help_field(ModelRoleConfig(), "The model to sample from.")
