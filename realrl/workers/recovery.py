@@ -64,7 +64,9 @@ def latest_complete_checkpoint(run_dir: Path) -> Path | None:
 
 
 def discard_incomplete(run_dir: Path) -> None:
-    """Remove what interrupted saves and deletions left (`.tmp`, `.deleting` directories)."""
+    """Remove what interrupted saves and deletions left (`.tmp`, `.deleting` directories), and
+    point `checkpoints/latest` at the newest complete checkpoint again (a save killed between
+    its rename and the link's swap left it one checkpoint behind, possibly at a pruned one)."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return
@@ -72,6 +74,9 @@ def discard_incomplete(run_dir: Path) -> None:
         if path.name.startswith("step") and path.name.endswith(_INCOMPLETE_SUFFIXES):
             logger.info("removing %s, left by an interrupted checkpoint save or deletion", path)
             shutil.rmtree(path, ignore_errors=True)
+    newest = latest_complete_checkpoint(run_dir)
+    if newest is not None:
+        point_latest_at(newest)
 
 
 async def save(master, data, run_dir: Path, step: int) -> Path:

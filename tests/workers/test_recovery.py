@@ -40,7 +40,9 @@ def test_a_resumed_run_removes_what_interrupted_saves_and_prunes_left(tmp_path):
     _checkpoint(tmp_path, "step000003.tmp")
     _checkpoint(tmp_path, "step000001.deleting")
     discard_incomplete(tmp_path)
-    assert list((tmp_path / "checkpoints").iterdir()) == [kept]
+    latest = tmp_path / "checkpoints" / "latest"
+    assert sorted((tmp_path / "checkpoints").iterdir()) == [latest, kept]
+    assert latest.resolve() == kept.resolve()
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
@@ -66,6 +68,15 @@ def test_latest_links_the_newest_checkpoint_and_moves_with_the_run_directory(tmp
     assert (moved / "checkpoints" / "latest" / "actor" / "model.safetensors").is_file()
     discard_incomplete(moved)  # neither a checkpoint nor a leftover
     assert (moved / "checkpoints" / "latest").is_symlink()
+
+
+def test_a_resumed_run_points_latest_at_the_newest_checkpoint_again(tmp_path):
+    # Killed after step 3's rename, before the link's swap: latest names step 2, or a pruned one.
+    _checkpoint(tmp_path, "step000002")
+    point_latest_at(_checkpoint(tmp_path, "step000001"))
+    newest = _checkpoint(tmp_path, "step000003")
+    discard_incomplete(tmp_path)
+    assert (tmp_path / "checkpoints" / "latest").resolve() == newest.resolve()
 
 
 def test_a_full_disk_is_named_whichever_way_the_writer_reports_it(tmp_path):
