@@ -16,7 +16,8 @@ the optimizer state out (see `realrl.workers.checkpointing`).
 `checkpoints/latest` is a relative symbolic link to the newest complete checkpoint, replaced
 atomically after each one is renamed complete: once a run is over, `checkpoints/latest/<role>`
 is its final model, a path the next stage of a chain (sft -> rw -> ppo-rlhf -> gen,
-docs/recipe.md) names without knowing the step count. Recovery never reads it.
+docs/recipe.md) names without knowing the step count. Recovery never reads it; a resumed
+run points it at the newest complete checkpoint again (`discard_incomplete`).
 
 A save that fails (a full disk) removes its `.tmp` directory and raises `CheckpointWriteError`,
 one line naming the path, the reason and the fix; the previous checkpoint is untouched.
