@@ -1,8 +1,8 @@
 """A user-defined experiment: ppo-math plus an extra MFC, registered by decorator.
 
     python -m realrl.apps.quickstart ppo-gold-rm --import examples/custom_experiment.py \\
-        rm.path=runs/rw/trial0/checkpoints/stepNNNNNN/default \\
-        gold_rm.path=runs/rw/trial1/checkpoints/stepNNNNNN/default
+        rm.path=runs/rw/trial0/checkpoints/latest/default \\
+        gold_rm.path=runs/rw/trial1/checkpoints/latest/default
     python -m realrl.apps.quickstart ppo-gold-rm --import examples/custom_experiment.py --dry-run
 
 A policy trained on a learned reward model learns to please that model beyond what the

@@ -183,6 +183,17 @@ class DatasetKind(str, enum.Enum):
     chat = "chat"  # RLHF: {"prompt" | "messages", "answer"?, ...}; no answer needed
 
 
+# The built-in arithmetic data (`realrl.workers.data_source`): one seeded pool, cut into a
+# training split (its first `dataset.builtin_train_size` problems are served) and an eval split
+# of this many other problems, which no training run reads.
+BUILTIN_EVAL_SIZE = 256
+
+
+class BuiltinSplit(str, enum.Enum):
+    train = "train"
+    eval = "eval"
+
+
 @dataclass
 class DatasetConfig:
     path: str = help_field("", "JSONL file; empty: the built-in synthetic arithmetic data.")
@@ -201,6 +212,11 @@ class DatasetConfig:
     builtin_train_size: int = help_field(
         4096, "With an empty path: how many built-in arithmetic problems form the training set."
     )
+    builtin_split: BuiltinSplit = help_field(
+        BuiltinSplit.train, "With an empty path: train (the first builtin_train_size problems) "
+        "or eval (256 other problems of the same pool, which no training run reads: "
+        "`gen dataset.builtin_split=eval` evaluates a trained policy on problems it never saw)."
+    )
     apply_chat_template: bool | None = help_field(
         None, "Format prompts with the tokenizer's chat template: each prompt becomes one user "
         "turn plus the assistant header (as `apply_chat_template(..., add_generation_prompt="
@@ -208,6 +224,12 @@ class DatasetConfig:
         "end-of-turn token (e.g. <|im_end|>). null: apply it when the tokenizer has one (the "
         "built-in model's has none); true: require one; false: use prompts as they are."
     )
+
+    def builtin_size(self) -> int:
+        """How many records the built-in data serves (with an empty path)."""
+        if self.builtin_split == BuiltinSplit.eval:
+            return BUILTIN_EVAL_SIZE
+        return self.builtin_train_size
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

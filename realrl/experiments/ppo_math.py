@@ -84,7 +84,7 @@ class PPOMathConfig(BaseExperimentConfig):
     )
     rm: ModelRoleConfig = help_field(
         ModelRoleConfig(), "The reward model of `reward.sources=[model]` (frozen): an `rw` run's "
-        "checkpoint, e.g. runs/rw/trial0/checkpoints/step000200/default."
+        "checkpoint, e.g. runs/rw/trial0/checkpoints/latest/default."
     )
     dataset: DatasetConfig = help_field(
         DatasetConfig(batch_size=16, builtin_train_size=256), "Prompts."

@@ -36,6 +36,7 @@ from realrl.api.config import (
     usable_cores,
 )
 from realrl.api.experiment import (
+    BuiltinSplit,
     DatasetKind,
     ExperimentSpec,
     ModelKind,
@@ -172,11 +173,13 @@ def dataset_problems(config: BaseExperimentConfig, plan: LaunchPlan) -> list[str
     `dataset.batch_size`, and `dataset.apply_chat_template=true` against the tokenizer."""
     dataset = config.dataset
     try:
-        records = count_records(plan.spec.dataset_kind, dataset.path, dataset.builtin_train_size)
+        records = count_records(plan.spec.dataset_kind, dataset.path, dataset.builtin_size())
     except DatasetError as error:
         return [str(error)]
     problems = []
-    where = dataset.path or f"the built-in data (`dataset.builtin_train_size={records}`)"
+    where = dataset.path or (f"the built-in data (`dataset.builtin_train_size={records}`)"
+                             if dataset.builtin_split == BuiltinSplit.train
+                             else "the built-in eval split (`dataset.builtin_split=eval`)")
     one_pass = config.total_train_steps == 0  # `gen`: the last batch may be partial
     if records < dataset.batch_size and not one_pass:
         problems.append(f"`dataset.batch_size={dataset.batch_size}` exceeds the {records} records "
@@ -189,11 +192,11 @@ def dataset_problems(config: BaseExperimentConfig, plan: LaunchPlan) -> list[str
     return problems
 
 
-def count_records(kind: DatasetKind, path: str, builtin_train_size: int) -> int:
+def count_records(kind: DatasetKind, path: str, builtin_size: int) -> int:
     """The records `realrl.workers.data_source.load_records` would return, validated line by
     line without keeping them (a multi-GB file never sits in memory), and without torch."""
     if not path:
-        return builtin_train_size
+        return builtin_size
     iterate = {DatasetKind.prompt: iter_prompt_records, DatasetKind.sft: iter_sft_records,
                DatasetKind.paired: iter_paired_records, DatasetKind.chat: iter_chat_records}[kind]
     return sum(1 for _ in iterate(path))

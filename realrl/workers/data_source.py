@@ -12,7 +12,14 @@ from __future__ import annotations
 import logging
 
 from realrl.api.data import SequenceSample
-from realrl.api.experiment import DatasetKind, ModelKind, ModelSpec
+from realrl.api.experiment import (
+    BUILTIN_EVAL_SIZE,
+    BuiltinSplit,
+    DatasetConfig,
+    DatasetKind,
+    ModelKind,
+    ModelSpec,
+)
 from realrl.datasets.arithmetic import (
     as_chat_records,
     as_paired_records,
@@ -41,17 +48,16 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_DATA_SEED = 0
 BUILTIN_TRAIN_SIZE = 4096
-BUILTIN_EVAL_SIZE = 256
 BUILTIN_MAX_DIGITS = 2  # one- and two-digit operands: learnable by the tiny default model on a CPU
 
 
-def builtin_records(kind: DatasetKind, split: str = "train",
+def builtin_records(kind: DatasetKind, split: BuiltinSplit = BuiltinSplit.train,
                     train_size: int = BUILTIN_TRAIN_SIZE) -> list[dict]:
     """The built-in arithmetic records; `train_size` takes the first problems of the fixed pool."""
     train, evaluation = make_arithmetic_splits(BUILTIN_TRAIN_SIZE, BUILTIN_EVAL_SIZE,
                                                seed=BUILTIN_DATA_SEED,
                                                max_digits=BUILTIN_MAX_DIGITS)
-    records = train[:train_size] if split == "train" else evaluation
+    records = train[:train_size] if split == BuiltinSplit.train else evaluation
     if kind == DatasetKind.sft:
         return as_sft_records(records)
     if kind == DatasetKind.paired:
@@ -61,14 +67,13 @@ def builtin_records(kind: DatasetKind, split: str = "train",
     return records
 
 
-def load_records(kind: DatasetKind, path: str, builtin_train_size: int = BUILTIN_TRAIN_SIZE
-                 ) -> list[dict]:
+def load_records(kind: DatasetKind, settings: DatasetConfig) -> list[dict]:
     """Validated records: the file's (errors name file and line) or the built-in ones."""
-    if not path:
-        return builtin_records(kind, train_size=builtin_train_size)
+    if not settings.path:
+        return builtin_records(kind, settings.builtin_split, settings.builtin_train_size)
     loader = {DatasetKind.prompt: load_prompt_records, DatasetKind.sft: load_sft_records,
               DatasetKind.paired: load_paired_records, DatasetKind.chat: load_chat_records}[kind]
-    return loader(path)
+    return loader(settings.path)
 
 
 def tokenizer_path(models: dict[str, ModelSpec]) -> str:
@@ -88,8 +93,8 @@ def check_chat_template(setting: bool | None, models: dict[str, ModelSpec]) -> N
 class DataSource:
     def __init__(self, plan: RunPlan, tokenizer):
         settings = plan.dataset
-        records = load_records(plan.dataset_kind, settings.path, settings.builtin_train_size)
-        source = settings.path or "built-in arithmetic data"
+        records = load_records(plan.dataset_kind, settings)
+        source = settings.path or f"built-in arithmetic data ({settings.builtin_split.value} split)"
         chat = resolve_chat_template(settings.apply_chat_template, tokenizer,
                                      tokenizer.name_or_path)
         if plan.dataset_kind in (DatasetKind.prompt, DatasetKind.chat):

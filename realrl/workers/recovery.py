@@ -13,12 +13,19 @@ exists. A checkpoint is renamed `stepNNNNNN.deleting` before its files go, so on
 leaves half-deleted is never mistaken for a complete one. `checkpoint.weights_only=true` leaves
 the optimizer state out (see `realrl.workers.checkpointing`).
 
+`checkpoints/latest` is a relative symbolic link to the newest complete checkpoint, replaced
+atomically after each one is renamed complete: once a run is over, `checkpoints/latest/<role>`
+is its final model, a path the next stage of a chain (sft -> rw -> ppo-rlhf -> gen,
+docs/recipe.md) names without knowing the step count. Recovery never reads it; a resumed
+run points it at the newest complete checkpoint again (`discard_incomplete`).
+
 A save that fails (a full disk) removes its `.tmp` directory and raises `CheckpointWriteError`,
 one line naming the path, the reason and the fix; the previous checkpoint is untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -33,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _COMPLETE_NAME = re.compile(r"step\d+")
 _INCOMPLETE_SUFFIXES = (".tmp", ".deleting")
+LATEST_LINK = "latest"
 
 
 class CheckpointWriteError(UserFacingError):
@@ -58,7 +66,9 @@ def latest_complete_checkpoint(run_dir: Path) -> Path | None:
 
 
 def discard_incomplete(run_dir: Path) -> None:
-    """Remove what interrupted saves and deletions left (`.tmp`, `.deleting` directories)."""
+    """Remove what interrupted saves and deletions left (`.tmp`, `.deleting` directories), and
+    point `checkpoints/latest` at the newest complete checkpoint again (a save killed between
+    its rename and the link's swap left it one checkpoint behind, possibly at a pruned one)."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return
@@ -66,6 +76,9 @@ def discard_incomplete(run_dir: Path) -> None:
         if path.name.startswith("step") and path.name.endswith(_INCOMPLETE_SUFFIXES):
             logger.info("removing %s, left by an interrupted checkpoint save or deletion", path)
             shutil.rmtree(path, ignore_errors=True)
+    newest = latest_complete_checkpoint(run_dir)
+    if newest is not None:
+        point_latest_at(newest)
 
 
 async def save(master, data, run_dir: Path, step: int) -> Path:
@@ -92,8 +105,28 @@ async def save(master, data, run_dir: Path, step: int) -> Path:
         raise CheckpointWriteError(problem) from error
     logger.info("saved checkpoint %s (%.1f MB in %.2f s)", final, _size_bytes(final) / 1e6,
                 time.perf_counter() - started)
+    point_latest_at(final)
     prune(run_dir, settings.keep_last)
     return final
+
+
+def point_latest_at(checkpoint: Path) -> None:
+    """Make `checkpoints/latest` a link to `checkpoint` (relative, so a moved or copied run
+    directory keeps it), swapped in with one rename: a reader sees the old or the new target,
+    never no link. Where links cannot be made (some network filesystems) the stale link is
+    removed and a warning names the checkpoint to use instead; training goes on."""
+    link = checkpoint.parent / LATEST_LINK
+    staging = checkpoint.parent / f"{LATEST_LINK}.tmp"
+    try:
+        staging.unlink(missing_ok=True)
+        staging.symlink_to(checkpoint.name, target_is_directory=True)
+        staging.replace(link)
+        fsync_path(checkpoint.parent)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            link.unlink(missing_ok=True)
+        logger.warning("could not point %s at %s (%s); use %s itself", link, checkpoint.name,
+                       write_failure_reason(error, link), checkpoint)
 
 
 def prune(run_dir: Path, keep_last: int | None) -> None:

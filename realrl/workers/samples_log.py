@@ -116,11 +116,14 @@ def logs_samples_at(step: int, every_steps: int) -> bool:
 
 class GeneratedFile:
     """The completions of one generation MFC (`gen`'s `genDefault`), every one of them, as JSON
-    lines `{"query_id", "prompt", "completion", "no_eos", "step"}` in `<run_dir>/<output_file>`.
+    lines `{"query_id", "prompt", "completion", "no_eos", "step"}` in `<run_dir>/<output_file>`,
+    plus every per-response value the step computed (`gen reward.sources=...`: `reward`, and
+    `<source>_rewards` with several sources), as in samples.jsonl.
 
     Each step appends its batch; `finish` puts the lines in the order of the prompts in the
-    dataset (the `n_samples` completions of a prompt together, in sampling order). The prompt
-    is the record's own text; the completion is decoded without special tokens (EOS).
+    dataset (the `n_samples` completions of a prompt together, in sampling order) and logs the
+    mean of each reward. The prompt is the record's own text (a `messages` record: its last
+    user turn); the completion is decoded without special tokens (EOS).
     """
 
     def __init__(self, path: Path, prompts: dict[str, str], first_step: int, tokenizer):
@@ -137,7 +140,7 @@ class GeneratedFile:
                    if isinstance(mfc.interface_config, GenerationConfig)]
         if not outputs:
             return []
-        prompts = {str(id_): record.get("prompt", "")
+        prompts = {str(id_): _prompt_text(record)
                    for id_, record in zip(dataset.ids, dataset.records)}
         return [cls(run_dir / output, prompts, first_step, tokenizer) for output in outputs]
 
@@ -146,6 +149,8 @@ class GeneratedFile:
         sequences = data.data["packed_input_ids"].split(data.seqlens_of("packed_input_ids"))
         masks = data.data["prompt_mask"].bool().split(data.seqlens_of("packed_input_ids"))
         no_eos = data.data["seq_no_eos_mask"].tolist()
+        values = {_line_key(key): data.data[key].tolist() for key in _per_response_keys(data)
+                  if key != "seq_no_eos_mask"}  # [num_seqs] each: rewards, rule_rewards, ...
         sample_of = [i for i, sample_lengths in enumerate(lengths) for _ in sample_lengths]
         lines = []
         for index, (tokens, in_prompt) in enumerate(zip(sequences, masks)):
@@ -154,6 +159,7 @@ class GeneratedFile:
                                                skip_special_tokens=True)
             record = {"query_id": query_id, "prompt": self.prompts.get(str(query_id), ""),
                       "completion": completion, "no_eos": bool(no_eos[index]), "step": step}
+            record |= {key: column[index] for key, column in values.items()}
             lines.append(json.dumps(record) + "\n")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as stream:
@@ -169,5 +175,30 @@ class GeneratedFile:
         temporary = self.path.with_suffix(".tmp")
         temporary.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         temporary.replace(self.path)
-        logger.info("%d completions in %s", len(lines), self.path)
+        means = mean_rewards(json.loads(line) for line in lines)
+        logger.info("%d completions in %s%s", len(lines), self.path,
+                    "".join(f", mean {key} {value:.4f}" for key, value in means.items()))
+
+
+def mean_rewards(lines: Iterable[dict]) -> dict[str, float]:
+    """The mean of `reward` and of each `<source>_rewards` over the lines of a generated file."""
+    totals: dict[str, list[float]] = {}
+    for line in lines:
+        for key, value in line.items():
+            if key == "reward" or key.endswith("_rewards"):
+                totals.setdefault(key, []).append(value)
+    return {key: sum(values) / len(values) for key, values in totals.items()}
+
+
+def _line_key(key: str) -> str:
+    """A per-response batch key's name in a generated line (`rewards` -> `reward`)."""
+    return "reward" if key == "rewards" else key
+
+
+def _prompt_text(record: dict) -> str:
+    """The text that names a record's prompt: its `prompt`, or its last user turn."""
+    if "messages" in record:
+        return next((message["content"] for message in reversed(record["messages"])
+                     if message["role"] == "user"), "")
+    return record.get("prompt", "")
 

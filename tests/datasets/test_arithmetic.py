@@ -153,3 +153,16 @@ def test_the_builtin_chat_records_are_the_prompt_records_as_one_user_turn():
          "answer": p["answer"], "task": "math"}
         for p in prompts
     ]
+
+
+def test_the_builtin_eval_split_holds_problems_no_training_split_serves():
+    from realrl.api.experiment import BUILTIN_EVAL_SIZE, BuiltinSplit, DatasetConfig, DatasetKind
+    from realrl.workers.data_source import load_records
+
+    train = load_records(DatasetKind.chat, DatasetConfig())  # the whole 4096-problem pool
+    settings = DatasetConfig(builtin_split=BuiltinSplit.eval)
+    evaluation = load_records(DatasetKind.chat, settings)
+    assert len(evaluation) == settings.builtin_size() == BUILTIN_EVAL_SIZE == 256
+    assert evaluation[0]["query_id"] == "eval-0" and train[0]["query_id"] == "train-0"
+    train_prompts = {record["messages"][0]["content"] for record in train}
+    assert not train_prompts & {record["messages"][0]["content"] for record in evaluation}

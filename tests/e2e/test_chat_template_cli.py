@@ -24,7 +24,9 @@ def write_jsonl(path, records) -> None:
 
 def test_gen_feeds_the_model_its_prompts_as_chat_turns(chat_model, cli_env, tmp_path):
     data = tmp_path / "prompts.jsonl"
-    write_jsonl(data, [{"prompt": prompt, "answer": "2"} for prompt in PROMPTS])
+    # Chat records as ppo-rlhf reads them, no answer needed: a prompt, and a conversation.
+    write_jsonl(data, [{"prompt": PROMPTS[0]},
+                       {"messages": [{"role": "user", "content": PROMPTS[1]}]}])
     result = run_cli(
         "gen",
         [
@@ -41,7 +43,8 @@ def test_gen_feeds_the_model_its_prompts_as_chat_turns(chat_model, cli_env, tmp_
     run_dir = tmp_path / "gen" / "trial0"
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
     lines = [json.loads(line) for line in open(run_dir / "generated.jsonl")]
-    # generated.jsonl names each prompt by the record's own text, the join key with the input.
+    # generated.jsonl names each prompt by the record's own text (a conversation: its last
+    # user turn), the join key with the input.
     assert sorted(line["prompt"] for line in lines) == sorted(PROMPTS)
     # samples.jsonl shows each prompt as the model saw it: the chat turn, control tokens kept.
     seen = {}

@@ -63,6 +63,11 @@ def _mistakes(tiny_model, tmp_path):
         "batch_larger_than_dataset": (
             [f"actor.path={tiny_model}", f"dataset.path={two_records}"],
             ["`dataset.batch_size=4`", "the 2 records of", "set dataset.batch_size to at most 2"]),
+        "batch_larger_than_the_builtin_eval_split": (
+            [f"actor.path={tiny_model}", "dataset.builtin_split=eval", "dataset.batch_size=300",
+             "dataset.builtin_train_size=1000"],  # the eval split holds 256 all the same
+            ["`dataset.batch_size=300`", "the 256 records of the built-in eval split",
+             "set dataset.batch_size to at most 256"]),
         "resume_without_checkpoint": (
             [f"actor.path={tiny_model}", "recover_mode=resume"],
             ["`recover_mode=resume`", str(tmp_path / "runs" / "ppo-math" / "trial0"),
@@ -83,7 +88,8 @@ def _mistakes(tiny_model, tmp_path):
 
 
 MISTAKES = ["missing_model", "corrupt_safetensors", "non_utf8_dataset",
-            "batch_larger_than_dataset", "resume_without_checkpoint",
+            "batch_larger_than_dataset", "batch_larger_than_the_builtin_eval_split",
+            "resume_without_checkpoint",
             "more_cpu_workers_than_cores", "new_tokens_past_the_context",
             "prompt_limit_plus_new_tokens_past_the_context"]
 

@@ -132,3 +132,21 @@ def test_ppo_rlhf_has_every_algorithm_key_of_ppo_math():
                 if info.key.split(".")[0] in ("ppo", "gen", "actor", "critic", "ref", "rm")}
 
     assert keys(PPORLHFConfig) == keys(PPOMathConfig)
+
+
+def test_gen_scores_its_completions_with_the_same_sources_and_reads_chat_records():
+    from realrl.experiments.gen import GenerationExperimentConfig
+
+    plain = spec(config_class=GenerationExperimentConfig)
+    assert set(plain.graph().mfcs) == {"genDefault"} and set(plain.models) == {"default"}
+    assert plain.dataset_kind == DatasetKind.chat  # {"prompt"} or {"messages"}, no answer needed
+    scored = spec("reward.sources=[rule,model]", "rm.path=/models/rw",
+                  config_class=GenerationExperimentConfig)
+    graph = scored.graph()
+    assert set(graph.mfcs) == {"genDefault", "rew_inf", "rm_inf", "reward_sum"}
+    assert graph.parents["rm_inf"] == ["genDefault"]
+    assert {graph.producers[key] for key in ("rule_rewards", "model_rewards", "rewards")} == {
+        "rew_inf", "rm_inf", "reward_sum"}
+    assert scored.models["rm"].config.path == "/models/rw" and "reward" in scored.models
+    with pytest.raises(ConfigError, match=r"`reward.sources` has model but `rm.path` is empty"):
+        spec("reward.sources=[model]", config_class=GenerationExperimentConfig)

@@ -12,6 +12,7 @@ from realrl.workers.recovery import (
     complete_checkpoints,
     discard_incomplete,
     latest_complete_checkpoint,
+    point_latest_at,
     prune,
 )
 
@@ -39,7 +40,9 @@ def test_a_resumed_run_removes_what_interrupted_saves_and_prunes_left(tmp_path):
     _checkpoint(tmp_path, "step000003.tmp")
     _checkpoint(tmp_path, "step000001.deleting")
     discard_incomplete(tmp_path)
-    assert list((tmp_path / "checkpoints").iterdir()) == [kept]
+    latest = tmp_path / "checkpoints" / "latest"
+    assert sorted((tmp_path / "checkpoints").iterdir()) == [latest, kept]
+    assert latest.resolve() == kept.resolve()
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
@@ -49,6 +52,31 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(tmp_path):
     assert sorted((tmp_path / "checkpoints").iterdir()) == [*steps[2:], staging]
     prune(tmp_path, keep_last=0)  # 0: keep every checkpoint
     assert complete_checkpoints(tmp_path) == steps[2:]
+
+
+def test_latest_links_the_newest_checkpoint_and_moves_with_the_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    for step in (1, 2):
+        point_latest_at(_checkpoint(run_dir, f"step{step:06d}"))
+    latest = run_dir / "checkpoints" / "latest"
+    assert latest.is_symlink() and str(latest.readlink()) == "step000002"  # relative
+    assert (latest / "actor" / "model.safetensors").is_file()
+    prune(run_dir, keep_last=1)
+    assert complete_checkpoints(run_dir) == [run_dir / "checkpoints" / "step000002"]
+    assert (latest / "actor").is_dir()
+    moved = run_dir.rename(tmp_path / "moved")
+    assert (moved / "checkpoints" / "latest" / "actor" / "model.safetensors").is_file()
+    discard_incomplete(moved)  # neither a checkpoint nor a leftover
+    assert (moved / "checkpoints" / "latest").is_symlink()
+
+
+def test_a_resumed_run_points_latest_at_the_newest_checkpoint_again(tmp_path):
+    # Killed after step 3's rename, before the link's swap: latest names step 2, or a pruned one.
+    _checkpoint(tmp_path, "step000002")
+    point_latest_at(_checkpoint(tmp_path, "step000001"))
+    newest = _checkpoint(tmp_path, "step000003")
+    discard_incomplete(tmp_path)
+    assert (tmp_path / "checkpoints" / "latest").resolve() == newest.resolve()
 
 
 def test_a_full_disk_is_named_whichever_way_the_writer_reports_it(tmp_path):

@@ -18,6 +18,7 @@ from realrl.workers.samples_log import (
     batch_metrics,
     generates_rollouts,
     logs_samples_at,
+    mean_rewards,
     sample_rows,
     train_reward_key,
 )
@@ -152,3 +153,27 @@ def test_gen_completions_end_in_one_file_in_dataset_order(tokenizer, tmp_path):
     assert [json.loads(line)["query_id"] for line in lines] == ["q0", "q0", "q2", "q2"]
     assert GeneratedFile.for_mfcs([mfc("actor_gen", MFCKind.generate)], tmp_path, dataset, 0,
                                   tokenizer) == []
+
+
+def test_scored_gen_completions_carry_their_rewards_and_chat_records_their_user_turn(
+    tokenizer, tmp_path, caplog
+):
+    generation = mfc("genDefault", MFCKind.generate, config=GenerationConfig(n_samples=2))
+    dataset = PromptRecords(["1+1=", ""])
+    dataset.records[1] = {"messages": [{"role": "system", "content": "Be terse."},
+                                       {"role": "user", "content": "2+2="}]}
+    (generated,) = GeneratedFile.for_mfcs([generation], tmp_path, dataset, 0, tokenizer)
+    # gen reward.sources=[rule,model]: reward_sum's `rewards` and each source's key.
+    batch = rollout(tokenizer, ["1+1=", "2+2="], [["2", "3"], ["4", "5"]],
+                    rewards=[2.5, 0.5, 3.0, 1.0], rule_rewards=[1.0, 0.0, 1.0, 0.0],
+                    model_rewards=[1.5, 0.5, 2.0, 1.0])
+    batch.ids = ["q0", "q1"]
+    generated.append(1, batch)
+    with caplog.at_level("INFO", logger="realrl.workers.samples_log"):
+        generated.finish()
+    records = [json.loads(line) for line in (tmp_path / "generated.jsonl").read_text().splitlines()]
+    assert records[2] == {"query_id": "q1", "prompt": "2+2=", "completion": "4", "no_eos": False,
+                          "step": 1, "reward": 3.0, "rule_rewards": 1.0, "model_rewards": 2.0}
+    # Means over the four completions: (2.5+0.5+3+1)/4, (1+0+1+0)/4, (1.5+0.5+2+1)/4.
+    assert mean_rewards(records) == {"reward": 1.75, "rule_rewards": 0.5, "model_rewards": 1.25}
+    assert "4 completions in" in caplog.text and "mean rule_rewards 0.5000" in caplog.text
