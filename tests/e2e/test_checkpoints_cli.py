@@ -37,7 +37,8 @@ def test_grpo_keeps_the_newest_weights_only_checkpoints_and_resumes_from_them(
     first = run_cli("ppo-math", [*common, "total_train_steps=4"], cli_env)
     assert first.returncode == 0, describe(first)
     checkpoints = tmp_path / "ppo-math" / "trial0" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step000003", "step000004"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step000003", "step000004"]
+    assert (checkpoints / "latest").resolve() == (checkpoints / "step000004").resolve()
     actor = checkpoints / "step000004" / "actor"
     assert not list(checkpoints.rglob("optimizer*.pt")), sorted(actor.iterdir())
     assert (actor / "lr_scheduler.pt").is_file() and (actor / "generation_config.json").is_file()
@@ -47,7 +48,8 @@ def test_grpo_keeps_the_newest_weights_only_checkpoints_and_resumes_from_them(
     log = (tmp_path / "ppo-math" / "trial0" / "logs" / "master.log").read_text()
     assert "resumed from" in log and "step000004 is weights-only" in log
     assert [record["step"] for record in read_metrics(checkpoints.parent)] == [1, 2, 3, 4, 5]
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step000004", "step000005"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step000004", "step000005"]
+    assert (checkpoints / "latest").resolve() == (checkpoints / "step000005").resolve()
 
 
 def test_a_trained_reward_model_loads_in_transformers_with_its_head(tiny_model, cli_env, tmp_path):

@@ -144,7 +144,8 @@ def test_a_full_disk_during_a_save_names_the_path_and_keeps_the_previous_checkpo
     assert (f"the previous checkpoint {checkpoints / 'step000001'} is intact and the partial "
             "step000002.tmp was removed. To go on: free space there") in result.stderr
     assert "Traceback" not in output and "inline_container" not in output, describe(result)
-    assert sorted(path.name for path in checkpoints.iterdir()) == ["step000001"]
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["latest", "step000001"]
+    assert (checkpoints / "latest").resolve() == (checkpoints / "step000001").resolve()
     assert safetensors_problem(checkpoints / "step000001" / "default" / "model.safetensors") is None
     optimizer = torch.load(checkpoints / "step000001" / "default" / "optimizer.pt",
                            weights_only=False)
