@@ -248,6 +248,14 @@ class WatchdogConfig:
 RolloutMode = enum.Enum("RolloutMode", [("sync", "sync"), ("async", "async")], type=str)
 
 
+class KVCacheMode(str, enum.Enum):
+    """What interruptible generation does with a running generation's KV cache when new
+    weights arrive (`realrl.models.interruptible_generation`)."""
+
+    recompute = "recompute"
+    keep = "keep"
+
+
 @dataclass
 class RolloutConfig:
     """Synchronous rollouts, or AReaL-style asynchronous (streaming) ones
@@ -290,6 +298,22 @@ class RolloutConfig:
         "and be at least the rollout MFCs' data-parallel size.",
     )
 
+    decode_steps_per_chunk: int = help_field(
+        8,
+        "rollout.mode=async: interruptible generation. Generation runs in chunks of this many "
+        "decode steps, and the trainer's new weights reach a generation in flight between two "
+        "chunks: it goes on under them, and every token records the version that chose it "
+        "(`packed_weight_versions`). 0: each request generates to the end on the weights it "
+        "started with. Each chunk costs one request to the generation workers.",
+    )
+    interrupt_kv_cache: KVCacheMode = help_field(
+        KVCacheMode.recompute,
+        "rollout.mode=async: when new weights reach a generation in flight, recompute: run the "
+        "prompt and the tokens so far through them once to rebuild the KV cache (the next "
+        "tokens are the new model's own); keep: keep the old weights' keys and values (no "
+        "recomputation; the next tokens attend over them).",
+    )
+
     def request_groups(self, batch_size: int, data_parallel: int) -> int:
         """`groups_per_request`, with 0 resolved (see its help)."""
         if self.groups_per_request:
@@ -325,6 +349,9 @@ class RolloutConfig:
                 f"data-parallel size {rollout_data_parallel}, which every request is split "
                 f"over; set it to a divisor of {batch_size} that is >= {rollout_data_parallel}."
             )
+        if self.decode_steps_per_chunk < 0:
+            problems.append(f"`{prefix}.decode_steps_per_chunk={self.decode_steps_per_chunk}` "
+                            "must be >= 0 (0: no interruption); try 8.")
         if has_rollout_filter:
             problems.append(
                 f"`{prefix}.mode=async` does not run the rollout filter yet (best-of-n with "

@@ -29,16 +29,20 @@ import time
 from collections.abc import Awaitable, Callable
 
 from realrl.api.dfg import MFCKind
+from realrl.workers.chunked_generation import ChunkSettings
 from realrl.workers.data_source import DataSource
 from realrl.workers.master import Master, StepResult
 from realrl.workers.preemption import PreemptionRequest
 from realrl.workers.staleness import (
+    TRAINER_VERSION_KEY,
     WEIGHT_VERSION_KEY,
     FinishedRequest,
     StalenessBound,
+    group_versions,
     merge_requests,
     split_into_requests,
     staleness_stats,
+    token_staleness_stats,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,6 +63,10 @@ class AsyncRollout:
                             for name in self.rollout_mfcs)
         self.groups_per_request = settings.request_groups(self.batch_size, data_parallel)
         self.bound = StalenessBound(settings.max_head_offpolicyness, self.batch_size)
+        # Versions count train steps from the run's start (the master's count from this
+        # process's, which a resumed run starts at its checkpoint's step).
+        master.generation_chunks = ChunkSettings(settings.decode_steps_per_chunk,
+                                                 settings.interrupt_kv_cache.value, steps.start)
         self.version = 0  # train steps done in this process
         generation_ranks = {rank for mfc in master.plan.mfcs if mfc.kind == MFCKind.generate
                             for rank in master.plan.allocations[mfc.name].mesh.ranks}
@@ -121,14 +129,12 @@ class AsyncRollout:
         except BaseException as error:
             await self._fail(error, finished=asyncio.current_task())
             return
-        # Versions count train steps from the run's start (the master's count from this
-        # process's, which a resumed run starts at its checkpoint's step).
-        version = self.steps.start + min(result.generated_by.values(), default=self.version)
-        result.data.metadata[WEIGHT_VERSION_KEY] = [version] * result.data.bs
+        started_on = self.steps.start + min(result.generated_by.values(), default=self.version)
+        result.data.metadata[WEIGHT_VERSION_KEY] = group_versions(result.data, started_on)
         busy_s = sum(seconds for name, seconds in result.timing.items()
                      if name in self.generator_mfcs or name.split("/")[-1] in self.generator_mfcs)
         async with self.changed:
-            self.batches[index][slot] = FinishedRequest(result, version, busy_s)
+            self.batches[index][slot] = FinishedRequest(result, busy_s)
             self.busy_s += busy_s
             # Before the notification: a producer woken by it must see the free slot (the done
             # callback would only run after the producer checked, and nothing might wake it).
@@ -162,8 +168,11 @@ class AsyncRollout:
             buffered = sum(request.result.data.bs for later in self.batches.values()
                            for request in later if request is not None)
         result = merge_requests(requests, self.steps.start + index + 1)
-        result.stats |= staleness_stats(requests, self.steps.start + self.version,
+        trainer_version = self.steps.start + self.version
+        result.data.metadata[TRAINER_VERSION_KEY] = [trainer_version] * result.data.bs
+        result.stats |= staleness_stats(requests, trainer_version,
                                         self.bound.max_head_offpolicyness)
+        result.stats |= token_staleness_stats(result.data, trainer_version)
         result.stats["async/buffer_groups"] = float(buffered)
         result.stats["async/running_requests"] = float(len(self.running))
         return result

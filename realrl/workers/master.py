@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, MFCKind, ParamReallocHook
 from realrl.api.errors import UserFacingError
+from realrl.workers.chunked_generation import ChunkSettings, run_in_chunks, runs_in_chunks
 from realrl.workers.realloc import transfer_ranks
 from realrl.workers.rollout_filter import apply_rollout_filter
 from realrl.workers.run_plan import LayoutKey, RunPlan
@@ -73,6 +74,9 @@ class Master:
         # Their failures, recorded before the failed rank's lock is given back, so that the
         # next request on that rank stops instead of running on weights that never arrived.
         self._background_errors: list[Exception] = []
+        # Set by an asynchronous run: generate MFCs that record per-token weight versions run
+        # in chunks, new weights arriving between two (`realrl.workers.chunked_generation`).
+        self.generation_chunks: ChunkSettings | None = None
 
     # ------------------------------------------------------------------ one step
 
@@ -238,6 +242,9 @@ class Master:
         self.layout_version[layout] = self.role_version[mfc.model_role]
 
     async def _run_mfc(self, mfc: MFCDef, result: StepResult) -> None:
+        if self.generation_chunks is not None and runs_in_chunks(mfc):
+            await run_in_chunks(self, mfc, result, self.generation_chunks)
+            return
         allocation = self.plan.allocations[mfc.name]
         layout = self.plan.layout_of(mfc.name)
         refresh = self._is_stale(mfc)

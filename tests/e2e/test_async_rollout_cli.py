@@ -60,8 +60,12 @@ def test_async_rollout_with_eta_0_trains_exactly_like_synchronous_training(
     for expected, actual in zip(sync, streamed, strict=True):
         # The synchronous step reused actor_train's forward run ahead; the async one cannot
         # (its rollout ran in another request) and runs it in the train call: same numbers.
+        # Its generation ran in chunks (none of which new weights reached: eta=0), which gave
+        # the same tokens.
+        assert actual["actor_gen/weight_updates"] == 0
         actual = {key: value for key, value in without_timing(actual).items()
-                  if not key.startswith("async/") and key != "actor_train/forward_reused"}
+                  if not key.startswith("async/")
+                  and key not in ("actor_train/forward_reused", "actor_gen/weight_updates")}
         expected = {key: value for key, value in without_timing(expected).items()
                     if key != "actor_train/forward_reused"}
         assert actual == expected
@@ -99,6 +103,42 @@ def test_async_rollout_streams_groups_within_the_bound_and_checkpoints_the_untra
         master = json.loads((run_dir / "checkpoints" / f"step{step:06d}" / "master.json")
                             .read_text())
         assert master["data"]["position"] == step * BATCH_SIZE
+
+
+@pytest.mark.parametrize("kv_cache", ["recompute", "keep"])
+def test_new_weights_reach_generations_in_flight_and_no_token_is_lost(
+    tiny_model, cli_env, tmp_path, kv_cache
+):
+    """Interruptible generation: one decode step per chunk and eta=3, so the generation worker
+    keeps 3 batches ahead while the trainer publishes new weights between its chunks. Every
+    response's tokens record their weights' versions: never decreasing along the response
+    (a generation only moves to newer weights), the group's `weight_version` its oldest, all
+    within the bound; some generations switch versions mid-response, and every step still
+    trains `dataset.batch_size` distinct prompts, each response whole."""
+    eta, steps = 3, 4
+    result = run_cli("ppo-math", [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
+        "rollout.mode=async", f"rollout.max_head_offpolicyness={eta}",
+        "rollout.groups_per_request=1", "rollout.decode_steps_per_chunk=1",
+        f"rollout.interrupt_kv_cache={kv_cache}", f"total_train_steps={steps}",
+    ], cli_env)
+    assert result.returncode == 0, describe(result)
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    rows = _samples(run_dir)
+    assert len(rows) == steps * 2 * BATCH_SIZE
+    switched = 0
+    for row in rows:
+        versions = row["token_weight_versions"]
+        assert 1 <= len(versions) <= 8 and versions == sorted(versions)
+        assert row["step"] - 1 - eta <= versions[0] and versions[-1] <= row["step"] - 1
+        assert row["weight_version"] <= versions[0]  # the oldest of its group's responses
+        switched += versions[0] != versions[-1]
+    metrics = read_metrics(run_dir)
+    # The generator runs ahead of the trainer from the start, so weights reach it mid-response.
+    assert switched > 0 and sum(record["async/interrupted_groups"] for record in metrics) > 0
+    for record in metrics:
+        assert record["async/token_staleness_max"] <= record["async/staleness_max"] <= eta
+    assert len({row["query_id"] for row in rows}) == steps * BATCH_SIZE
 
 
 @pytest.mark.slow
