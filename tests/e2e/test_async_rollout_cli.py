@@ -141,6 +141,48 @@ def test_new_weights_reach_generations_in_flight_and_no_token_is_lost(
     assert len({row["query_id"] for row in rows}) == steps * BATCH_SIZE
 
 
+def test_finished_first_assembly_with_best_of_n_trains_full_batches_within_the_bound(
+    tiny_model, cli_env, tmp_path
+):
+    """The rollout filter on each request as it finishes (best-of-n: 4 responses generated per
+    prompt, the best 2 kept, the rest counted as thrown away), and steps that train the first
+    groups to finish: full batches of distinct prompts, none staler than eta."""
+    eta, steps = 2, 3
+    result = run_cli("ppo-math", [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
+        "generation_size=4", "rollout.mode=async", "rollout.assembly=finished_first",
+        f"rollout.max_head_offpolicyness={eta}", "rollout.groups_per_request=1",
+        f"total_train_steps={steps}",
+    ], cli_env)
+    assert result.returncode == 0, describe(result)
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    metrics = read_metrics(run_dir)
+    for record in metrics:
+        assert record["actor_train/num_sequences"] == 2 * BATCH_SIZE
+        assert 0 <= record["async/staleness_max"] <= eta
+        assert record["async/discarded_groups"] == 0  # best-of-n drops responses, not prompts
+    # Every prompt's 2 responses not kept are thrown away: at least one token each.
+    assert sum(record["async/discarded_tokens"] for record in metrics) >= 2 * BATCH_SIZE * steps
+    rows = _samples(run_dir)
+    assert len({row["query_id"] for row in rows}) == steps * BATCH_SIZE
+
+
+def test_async_dynamic_sampling_stops_with_a_clear_error_when_every_group_agrees(
+    tiny_model, cli_env, tmp_path
+):
+    data = tmp_path / "impossible.jsonl"  # no model answers "banana": every reward is 0
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": "banana"}) + "\n"
+                            for i in range(40)))
+    result = run_cli("ppo-math", [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS,
+        f"dataset.path={data}", "ppo.dynamic_sampling=true", "ppo.max_generation_rounds=2",
+        "rollout.mode=async", "rollout.assembly=finished_first", "total_train_steps=2",
+    ], cli_env)
+    assert result.returncode != 0
+    assert "too easy or too hard" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 @pytest.mark.slow
 def test_an_async_run_resumed_mid_run_trains_the_same_prompts_once(tiny_model, cli_env, tmp_path):
     """A 4-step run checkpoints after step 2, while groups of steps 3-4 are generated ahead;

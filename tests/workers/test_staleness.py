@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from realrl.api.config import RolloutConfig, RolloutMode
+from realrl.api.config import BatchAssembly, RolloutConfig, RolloutMode
 from realrl.api.data import SequenceSample
 from realrl.workers.master import StepResult
 from realrl.workers.staleness import (
@@ -99,14 +99,17 @@ def test_split_into_requests_keeps_the_batch_order():
 
 def test_async_settings_are_checked_with_the_key_and_a_fix():
     settings = RolloutConfig(mode=RolloutMode["async"], max_head_offpolicyness=-1,
-                             groups_per_request=3)
+                             groups_per_request=3, decode_steps_per_chunk=-1)
     problems = settings.validate("rollout", batch_size=8, pipeline_rollout=True,
-                                 rollout_data_parallel=1, has_rollout_filter=True)
-    assert len(problems) == 4
+                                 rollout_data_parallel=1, filter_drops_groups=True)
+    assert len(problems) == 5
     assert "set pipeline_rollout=false" in problems[0]
     assert "`rollout.max_head_offpolicyness=-1`" in problems[1]
     assert "`rollout.groups_per_request=3` must divide `dataset.batch_size=8`" in problems[2]
-    assert "rollout filter" in problems[3]
+    assert "`rollout.decode_steps_per_chunk=-1` must be >= 0" in problems[3]
+    assert "set `rollout.assembly=finished_first`" in problems[4]
+    finished_first = RolloutConfig(mode=RolloutMode["async"], assembly=BatchAssembly.finished_first)
+    assert finished_first.validate("rollout", 8, False, 1, filter_drops_groups=True) == []
     # 0: a quarter of the batch, or the next divisor of it, at least the data-parallel size.
     automatic = RolloutConfig(mode=RolloutMode["async"])
     assert automatic.request_groups(batch_size=16, data_parallel=1) == 4
