@@ -105,22 +105,27 @@ def test_async_rollout_streams_groups_within_the_bound_and_checkpoints_the_untra
         assert master["data"]["position"] == step * BATCH_SIZE
 
 
-@pytest.mark.parametrize("kv_cache", ["recompute", "keep"])
+@pytest.mark.parametrize("kv_cache,interpolate", [
+    ("recompute", True), pytest.param("keep", False, marks=pytest.mark.slow)])
 def test_new_weights_reach_generations_in_flight_and_no_token_is_lost(
-    tiny_model, cli_env, tmp_path, kv_cache
+    tiny_model, cli_env, tmp_path, kv_cache, interpolate
 ):
     """Interruptible generation: one decode step per chunk and eta=3, so the generation worker
     keeps 3 batches ahead while the trainer publishes new weights between its chunks. Every
     response's tokens record their weights' versions: never decreasing along the response
     (a generation only moves to newer weights), the group's `weight_version` its oldest, all
     within the bound; some generations switch versions mid-response, and every step still
-    trains `dataset.batch_size` distinct prompts, each response whole."""
+    trains `dataset.batch_size` distinct prompts, each response whole. With the decoupled
+    loss's interpolated proximal log-probs, each token's own lag sets them: lags 0 and 1 give
+    the behaviour log-probs themselves, so a step whose tokens are at most 1 step stale has no
+    behaviour mismatch."""
     eta, steps = 3, 4
+    decoupled = ["ppo.decoupled_loss=true", "ppo.prox_logp=interpolate"] if interpolate else []
     result = run_cli("ppo-math", [
         f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
         "rollout.mode=async", f"rollout.max_head_offpolicyness={eta}",
         "rollout.groups_per_request=1", "rollout.decode_steps_per_chunk=1",
-        f"rollout.interrupt_kv_cache={kv_cache}", f"total_train_steps={steps}",
+        f"rollout.interrupt_kv_cache={kv_cache}", f"total_train_steps={steps}", *decoupled,
     ], cli_env)
     assert result.returncode == 0, describe(result)
     run_dir = tmp_path / "ppo-math" / "trial0"
@@ -138,6 +143,9 @@ def test_new_weights_reach_generations_in_flight_and_no_token_is_lost(
     assert switched > 0 and sum(record["async/interrupted_groups"] for record in metrics) > 0
     for record in metrics:
         assert record["async/token_staleness_max"] <= record["async/staleness_max"] <= eta
+        if interpolate:
+            mismatch = record["actor_train/behav_logp_abs_diff"]
+            assert mismatch == 0 if record["async/token_staleness_max"] <= 1 else mismatch > 0
     assert len({row["query_id"] for row in rows}) == steps * BATCH_SIZE
 
 
