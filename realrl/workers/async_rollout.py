@@ -118,7 +118,8 @@ class AsyncRollout:
                 while prompts is None or prompts.bs:
                     await self._wait_for_admission(smallest)
                     if prompts is None:  # no await since the admission: the pause holds
-                        self.positions[index] = self.data.state_dict()
+                        if not finished_first:  # its checkpoints record another position
+                            self.positions[index] = self.data.state_dict()
                         prompts = self.data.next_batch()
                     size = min(self.groups_per_request, prompts.bs,
                                self.bound.capacity(self.version))

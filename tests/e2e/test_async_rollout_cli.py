@@ -160,10 +160,16 @@ def test_finished_first_assembly_with_best_of_n_trains_full_batches_within_the_b
         f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
         "generation_size=4", "rollout.mode=async", "rollout.assembly=finished_first",
         f"rollout.max_head_offpolicyness={eta}", "rollout.groups_per_request=1",
-        f"total_train_steps={steps}",
+        f"total_train_steps={steps}", "save_freq_steps=2",
     ], cli_env)
     assert result.returncode == 0, describe(result)
     run_dir = tmp_path / "ppo-math" / "trial0"
+    # The trained groups are no prefix of the data: a checkpoint records the position past
+    # every batch drawn (whole batches), so a resumed run trains no prompt twice.
+    master = json.loads((run_dir / "checkpoints" / "step000002" / "master.json").read_text())
+    position = master["data"]["position"]
+    assert 2 * BATCH_SIZE <= position <= (2 + eta + 1) * BATCH_SIZE
+    assert position % BATCH_SIZE == 0
     metrics = read_metrics(run_dir)
     for record in metrics:
         assert record["actor_train/num_sequences"] == 2 * BATCH_SIZE
