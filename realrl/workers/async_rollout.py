@@ -12,8 +12,11 @@ Two loops share the master's event loop and the per-rank locks of `realrl.worker
   the batches are the synchronous run's, or with `rollout.assembly=finished_first` the first
   groups to finish within the staleness bound), trains on it, and hands the new weights
   to the generation layouts (`Master.refresh`, the parameter reallocation of a pipelined
-  run), which they take between two requests: the version of a request is that of the weights
-  its generation ran on, recorded per group (`weight_version` metadata).
+  run). Generation runs in chunks of `rollout.decode_steps_per_chunk` decode steps
+  (`realrl.workers.chunked_generation`), and the weights reach a generation in flight between
+  two chunks (interruptible generation); every token records the version that chose it
+  (`packed_weight_versions`), every group its oldest token's (`weight_version` metadata).
+  With `decode_steps_per_chunk=0` they reach generation between two requests only.
 
 A rollout filter (best-of-n, DAPO's dynamic sampling) runs on each request as it finishes:
 the groups it drops free their place under the bound, and the producer draws more prompts
