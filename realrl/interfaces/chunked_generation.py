@@ -36,7 +36,9 @@ class ChunkRequest:
 
 
 @dataclass
-class FinishedGeneration:
+class GenerationSession:
+    """A generation in flight on this worker, between two of its chunks."""
+
     generation: InterruptibleGeneration
     prompts: SequenceSample  # the first request's data
     compute_s: float  # seconds spent in its chunks
@@ -46,10 +48,10 @@ class ChunkedGenerations:
     """The sessions in flight on this worker for one generate MFC."""
 
     def __init__(self) -> None:
-        self.sessions: dict[str, FinishedGeneration] = {}
+        self.sessions: dict[str, GenerationSession] = {}  # by `ChunkRequest.session`
 
     def run(self, model, data: SequenceSample | None, request: ChunkRequest,
-            config: Callable[[], GenerationConfig], generator) -> FinishedGeneration | None:
+            config: Callable[[], GenerationConfig], generator) -> GenerationSession | None:
         """Start the session (`data` holds its prompts) or continue it by one chunk; returns
         it once done (and forgets it), else None."""
         started = time.perf_counter()
@@ -62,7 +64,7 @@ class ChunkedGenerations:
             generation = InterruptibleGeneration.start(
                 model, data.data["packed_prompts"], data.cu_seqlens("packed_prompts"),
                 config(), generator, request.version)
-            session = self.sessions[request.session] = FinishedGeneration(generation, data, 0.0)
+            session = self.sessions[request.session] = GenerationSession(generation, data, 0.0)
         done = session.generation.decode(model, request.steps, request.version,
                                          request.kv_cache)
         session.compute_s += time.perf_counter() - started
