@@ -248,6 +248,21 @@ class WatchdogConfig:
 RolloutMode = enum.Enum("RolloutMode", [("sync", "sync"), ("async", "async")], type=str)
 
 
+class KVCacheMode(str, enum.Enum):
+    """What interruptible generation does with a running generation's KV cache when new
+    weights arrive (`realrl.models.interruptible_generation`)."""
+
+    recompute = "recompute"
+    keep = "keep"
+
+
+class BatchAssembly(str, enum.Enum):
+    """Which finished groups an asynchronous step trains on (`realrl.workers.async_rollout`)."""
+
+    data_order = "data_order"
+    finished_first = "finished_first"
+
+
 @dataclass
 class RolloutConfig:
     """Synchronous rollouts, or AReaL-style asynchronous (streaming) ones
@@ -290,6 +305,34 @@ class RolloutConfig:
         "and be at least the rollout MFCs' data-parallel size.",
     )
 
+    decode_steps_per_chunk: int = help_field(
+        8,
+        "rollout.mode=async: interruptible generation. Generation runs in chunks of this many "
+        "decode steps, and the trainer's new weights reach a generation in flight between two "
+        "chunks: it goes on under them, and every token records the version that chose it "
+        "(`packed_weight_versions`). 0: each request generates to the end on the weights it "
+        "started with. Each chunk costs one request to the generation workers.",
+    )
+    interrupt_kv_cache: KVCacheMode = help_field(
+        KVCacheMode.recompute,
+        "rollout.mode=async: when new weights reach a generation in flight, recompute: run the "
+        "prompt and the tokens so far through them once to rebuild the KV cache (the next "
+        "tokens are the new model's own); keep: keep the old weights' keys and values (no "
+        "recomputation; the next tokens attend over them).",
+    )
+
+    assembly: BatchAssembly = help_field(
+        BatchAssembly.data_order,
+        "rollout.mode=async: which finished groups a step trains on. data_order: batch k is "
+        "the data's k-th batch, once all its groups are finished (max_head_offpolicyness=0 is "
+        "then synchronous training bit for bit). finished_first: the first dataset.batch_size "
+        "groups to finish, as AReaL does, except that the groups the staleness bound would "
+        "otherwise exceed go first (a slow response never holds a batch back longer than the "
+        "bound needs). Needed by a rollout filter that drops groups (ppo.dynamic_sampling); a "
+        "checkpoint then records the data position past every group started, so a resumed run "
+        "skips the groups buffered at the checkpoint (logged).",
+    )
+
     def request_groups(self, batch_size: int, data_parallel: int) -> int:
         """`groups_per_request`, with 0 resolved (see its help)."""
         if self.groups_per_request:
@@ -303,9 +346,10 @@ class RolloutConfig:
         return self.mode == RolloutMode["async"]
 
     def validate(self, prefix: str, batch_size: int, pipeline_rollout: bool,
-                 rollout_data_parallel: int, has_rollout_filter: bool) -> list[str]:
+                 rollout_data_parallel: int, filter_drops_groups: bool) -> list[str]:
         """Problems of an async setting, each naming the key, the value and a fix (none for
-        mode=sync). `rollout_data_parallel`: the largest data-parallel size of a rollout MFC."""
+        mode=sync). `rollout_data_parallel`: the largest data-parallel size of a rollout MFC;
+        `filter_drops_groups`: the experiment's rollout filter drops groups (DAPO)."""
         if not self.is_async:
             return []
         problems = []
@@ -325,11 +369,14 @@ class RolloutConfig:
                 f"data-parallel size {rollout_data_parallel}, which every request is split "
                 f"over; set it to a divisor of {batch_size} that is >= {rollout_data_parallel}."
             )
-        if has_rollout_filter:
+        if self.decode_steps_per_chunk < 0:
+            problems.append(f"`{prefix}.decode_steps_per_chunk={self.decode_steps_per_chunk}` "
+                            "must be >= 0 (0: no interruption); try 8.")
+        if filter_drops_groups and self.assembly != BatchAssembly.finished_first:
             problems.append(
-                f"`{prefix}.mode=async` does not run the rollout filter yet (best-of-n with "
-                "generation_size > group_size, or DAPO's ppo.dynamic_sampling); turn them off "
-                f"or use `{prefix}.mode=sync`."
+                f"`{prefix}.assembly={self.assembly.value}` cannot fill a batch whose groups the "
+                "rollout filter drops (ppo.dynamic_sampling): its batches are the data's; set "
+                f"`{prefix}.assembly=finished_first`."
             )
         return problems
 

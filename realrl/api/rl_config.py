@@ -178,7 +178,7 @@ class PPOHyperparameters:
         "Proximal log-probs of the decoupled loss: forward (the trainer's weights before the "
         "update: the training forward itself with one optimizer step per call, else one extra "
         "forward) | interpolate (AReaL's log-linear interpolation by policy lag, no forward; "
-        "needs per-token `packed_policy_lag` in the rollout).",
+        "needs rollout.mode=async, whose rollout records each token's weight version).",
     )
     behav_imp_weight_level: str = help_field(
         "token",

@@ -55,6 +55,7 @@ from realrl.interfaces.configs import PPOActorConfig, PPOCriticConfig, Reference
 
 PROMPT_KEYS = ("packed_prompts",)
 ROLLOUT_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")
+WEIGHT_VERSIONS_KEY = "packed_weight_versions"  # per token, shifted; -1 before prompt tokens
 
 
 @register_experiment("ppo-math")
@@ -188,6 +189,10 @@ class PPOMathConfig(BaseExperimentConfig):
             problems.append(
                 f"`generation_size={self.generation_size}` must be >= `group_size={self.group_size}`."
             )
+        if self.ppo.prox_logp == "interpolate" and not self.rollout.is_async:
+            problems.append("`ppo.prox_logp=interpolate` needs each token's weight version, which "
+                            "only `rollout.mode=async` records; set rollout.mode=async or "
+                            "ppo.prox_logp=forward.")
         if self.ref_ema_eta is not None and not 0 < self.ref_ema_eta <= 1:
             problems.append(f"`ref_ema_eta={self.ref_ema_eta}` must be in (0, 1] or null.")
         if self.ref_ema_eta is not None and self.ppo.kl_ctl == 0:
@@ -235,6 +240,13 @@ class PPOMathConfig(BaseExperimentConfig):
         train_inputs += ("packed_ref_logprobs",) if use_ref else ()
         train_inputs += ("values",) if use_critic else ()
         train_inputs += ("baseline_rewards",) if self.ppo.adv_estimator == "remax" else ()
+        # An asynchronous rollout records each token's weight version (interruptible generation,
+        # `realrl.workers.chunked_generation`); the interpolated proximal log-probs read it.
+        gen_outputs = ROLLOUT_KEYS
+        if self.rollout.is_async:
+            gen_outputs += (WEIGHT_VERSIONS_KEY,)
+            if self.ppo.decoupled_loss and self.ppo.prox_logp == "interpolate":
+                train_inputs += (WEIGHT_VERSIONS_KEY,)
         actor_config = PPOActorConfig(
             ppo=self.ppo,
             generation=self.gen,
@@ -267,7 +279,7 @@ class PPOMathConfig(BaseExperimentConfig):
         gen_config = dataclasses.replace(actor_config, group_size=generation_size)
         mfcs = [
             mfc("actor_gen", "actor", MFCKind.generate, "ppo_actor", gen_config, PROMPT_KEYS,
-                ROLLOUT_KEYS),
+                gen_outputs),
             *reward_mfcs(self.reward, batch_size, self._reward_microbatches(),
                          offload_reward_model=self.rm.offload),
             mfc("actor_train", "actor", MFCKind.train_step, "ppo_actor", actor_config,

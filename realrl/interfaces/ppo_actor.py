@@ -31,6 +31,7 @@ from realrl.algo.offpolicy import behaviour_importance_weights, interpolated_pro
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
+from realrl.interfaces.chunked_generation import ChunkedGenerations, ChunkRequest
 from realrl.interfaces.common import (
     DistributedMeans,
     keeps_forward,
@@ -63,6 +64,7 @@ class PPOActorInterface:
         # seq-mean-token-sum-norm's constant length: ppo.loss_agg_norm_length or max_new_tokens.
         self.norm_length = config.ppo.loss_agg_norm_length or config.generation.max_new_tokens
         self._warned_best_of_n = False
+        self.chunked = ChunkedGenerations()  # generations in flight, by session
 
     def optimizer_steps_per_call(self) -> int:
         return self.ppo.num_epochs * self.ppo.num_minibatches
@@ -93,8 +95,31 @@ class PPOActorInterface:
             sampling_config(config.generation, config.generation_size, engine),
             engine.generator,
         )
-        elapsed_s = time.perf_counter() - started
-        rollout = _rollout_sample(data, output, config.generation_size, config.group_size)
+        return self._rollout_result(data, output, time.perf_counter() - started)
+
+    def generate_chunk(self, engine, data: SequenceSample | None, microbatch: MicroBatchSpec,
+                       request: ChunkRequest) -> MFCResult | None:
+        """``generate`` in chunks of decode steps, new weights allowed between two
+        (`realrl.interfaces.chunked_generation`): None until the last chunk, whose rollout also
+        holds ``packed_weight_versions``, the version of the weights that chose each token."""
+        engine = require_engine(engine, "ppo_actor", "generate")
+        config = self.config
+        finished = self.chunked.run(
+            engine.module, data, request,
+            lambda: sampling_config(config.generation, config.generation_size, engine),
+            engine.generator)
+        if finished is None:
+            return None
+        output, versions = finished.generation.output()
+        result = self._rollout_result(finished.prompts, output, finished.compute_s, versions)
+        result.stats["weight_updates"] = float(finished.generation.weight_updates)
+        return result
+
+    def _rollout_result(self, data: SequenceSample, output, elapsed_s: float,
+                        versions: torch.Tensor | None = None) -> MFCResult:
+        config = self.config
+        rollout = _rollout_sample(data, output, config.generation_size, config.group_size,
+                                  versions)
         response_lens = output.response_lens.float()
         stats = {
             "response_length": float(response_lens.mean()),
@@ -251,9 +276,9 @@ def _proximal_logprobs(method: str, logprobs: torch.Tensor, part: SequenceSample
     if method == "interpolate":
         if "policy_lag" not in part.keys:
             raise ValueError(
-                "ppo.prox_logp=interpolate needs the per-token `packed_policy_lag` (train steps "
-                "between the weights that generated each token and the trainer's) in "
-                "actor_train's input, and this graph's rollout does not record it; use "
+                "ppo.prox_logp=interpolate needs each token's policy lag (train steps between "
+                "the weights that generated it and the trainer's), which only an asynchronous "
+                "rollout records (`packed_weight_versions`); use rollout.mode=async or "
                 "ppo.prox_logp=forward"
             )
         return interpolated_proximal_logprobs(
@@ -311,8 +336,12 @@ def _enum_value(value) -> str:
     return getattr(value, "value", value)
 
 
-def _rollout_sample(data: SequenceSample, output, generation_size: int, group_size: int):
-    """Pack the generation output as one sample per prompt holding ``group_size`` sequences."""
+def _rollout_sample(data: SequenceSample, output, generation_size: int, group_size: int,
+                    versions: torch.Tensor | None = None):
+    """Pack the generation output as one sample per prompt holding ``group_size`` sequences;
+    with `versions` (``[total_response_tokens]``, each token's weight version) also
+    ``packed_weight_versions``, shifted like ``packed_logprobs`` and -1 where the next token is
+    a prompt token."""
     num_seqs = output.cu_seqlens.numel() - 1
     keep_seq = (torch.arange(num_seqs) % generation_size) < group_size  # [num_seqs]
     seq_lens = (output.cu_seqlens[1:] - output.cu_seqlens[:-1]).long().cpu()  # [num_seqs]
@@ -331,19 +360,21 @@ def _rollout_sample(data: SequenceSample, output, generation_size: int, group_si
     shifted_seq = torch.repeat_interleave(torch.arange(num_seqs), seq_lens - 1)
     kept_lens = seq_lens[keep_seq].tolist()
     seqlens = [kept_lens[i * group_size : (i + 1) * group_size] for i in range(data.bs)]
+    shifted = shifted_seqlens(seqlens)
+    packed = {
+        "packed_input_ids": (seqlens, packed_input_ids[keep_seq[token_seq]].long()),
+        "prompt_mask": (seqlens, prompt_mask[keep_seq[token_seq]]),
+        "packed_logprobs": (shifted, packed_logprobs[keep_seq[shifted_seq]]),
+        "seq_no_eos_mask": ([[1] * group_size for _ in range(data.bs)],
+                            output.no_eos.cpu().bool()[keep_seq]),
+    }
+    if versions is not None:
+        packed_versions = torch.full(loss_mask.shape, -1, dtype=torch.long)
+        packed_versions[loss_mask] = versions.long().cpu()
+        packed["packed_weight_versions"] = (shifted, packed_versions[keep_seq[shifted_seq]])
     return SequenceSample.from_tensors(
         ids=data.ids,
-        seqlens={
-            "packed_input_ids": seqlens,
-            "prompt_mask": seqlens,
-            "packed_logprobs": shifted_seqlens(seqlens),
-            "seq_no_eos_mask": [[1] * group_size for _ in range(data.bs)],
-        },
-        data={
-            "packed_input_ids": packed_input_ids[keep_seq[token_seq]].long(),
-            "prompt_mask": prompt_mask[keep_seq[token_seq]],
-            "packed_logprobs": packed_logprobs[keep_seq[shifted_seq]],
-            "seq_no_eos_mask": output.no_eos.cpu().bool()[keep_seq],
-        },
+        seqlens={key: lens for key, (lens, _) in packed.items()},
+        data={key: tensor for key, (_, tensor) in packed.items()},
         metadata=data.metadata,
     )

@@ -136,7 +136,7 @@ def prepare_ppo_batch(
 
     Returns a sample with ``packed_input_ids`` and the shifted ``loss_mask``,
     ``old_logprobs`` (the generation's), ``advantages``, ``returns`` (plus ``ref_logprobs``,
-    ``policy_lag`` from ``packed_policy_lag``, and per-token ``values`` when given), and the
+    ``policy_lag`` (`policy_lag`), and per-token ``values`` when given), and the
     rollout statistics to reduce with the training ones.
     Whitening and value-normaliser statistics are global over ``process_group``.
     """
@@ -192,11 +192,9 @@ def prepare_ppo_batch(
         "returns": returns,
         "ref_logprobs": ref_logprobs,
         "values": values,
-        # Train steps since each token's generating weights (an asynchronous rollout records
-        # it; the decoupled loss's `ppo.prox_logp=interpolate` reads it).
-        "policy_lag": (
-            data.data["packed_policy_lag"].cpu() if "packed_policy_lag" in data.keys else None
-        ),
+        # Train steps since each token's generating weights (the decoupled loss's
+        # `ppo.prox_logp=interpolate` reads it).
+        "policy_lag": policy_lag(data),
     }
     prepared = _training_sample(data.ids, seqlens, tensors)
     means = _rollout_means(
@@ -237,6 +235,21 @@ def _advantages_and_returns(
         normalizer.update(returns, inputs.loss_mask)
         returns = normalizer.normalize(returns)
     return outputs.advantages.float(), returns.float()
+
+
+def policy_lag(data: SequenceSample) -> torch.Tensor | None:
+    """``[total_tokens - num_seqs]`` long: train steps between the weights that chose each
+    response token and the trainer's, 0 where the next token is a prompt token; None unless the
+    rollout records each token's version (``packed_weight_versions``, -1 on prompt tokens) and
+    the batch the trainer's (``trainer_version`` metadata): an asynchronous rollout
+    (`realrl.workers.async_rollout`) gives both."""
+    if "packed_weight_versions" not in data.keys or "trainer_version" not in data.metadata:
+        return None
+    versions = data.data["packed_weight_versions"].cpu().long()
+    tokens_per_sample = [sum(lengths) for lengths in data.seqlens["packed_weight_versions"]]
+    trainer = torch.repeat_interleave(torch.tensor(data.metadata["trainer_version"]),
+                                      torch.tensor(tokens_per_sample))
+    return torch.where(versions >= 0, trainer - versions, torch.zeros_like(versions))
 
 
 def _training_sample(ids, seqlens: list[list[int]], tensors: dict) -> SequenceSample:

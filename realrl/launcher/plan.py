@@ -133,7 +133,8 @@ def async_rollout_problems(config: BaseExperimentConfig, spec: ExperimentSpec,
     data_parallel = max([allocations[name].strategy.data for name in graph.order
                          if name not in train] or [1])
     return config.rollout.validate("rollout", dataset.batch_size, config.pipeline_rollout,
-                                   data_parallel, spec.rollout_filter is not None)
+                                   data_parallel, spec.rollout_filter is not None
+                                   and spec.rollout_filter.drop_equal_reward_groups)
 
 
 def logged_key_problems(config: BaseExperimentConfig, graph: DataflowGraph) -> list[str]:

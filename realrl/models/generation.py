@@ -7,7 +7,9 @@ Two decode paths share the prefill, the token choice and the output:
   `compile` the captured step is inductor's. The same steps run uncaptured on CPU in tests,
   where they give the tokens of the path below.
 - Everything else (CPU, tensor parallelism, `cuda_graphs=False`): the steps described below,
-  eager or compiled, launched from Python every step.
+  eager or compiled, launched from Python every step. They can run in several calls
+  (`start_decoding`, `decode_steps`, `finish_decoding`), with the same tokens as one:
+  interruptible generation (`realrl.models.interruptible_generation`) swaps weights between two.
 On an H100 (0.5B-shaped model, bf16, 64 rows) a captured step takes 2.6 ms (1.8 compiled)
 against 17.3 ms launched eagerly and a floor of 0.38 ms (docs/design.md, "Generation").
 
@@ -414,6 +416,45 @@ def _generate(
 ) -> GenerationOutput:
     """`generate`; with `static_steps` the decode steps of `realrl.models.cuda_graphs`
     (captured as CUDA graphs on CUDA, run as they are elsewhere: the tests' CPU twin)."""
+    state = start_decoding(model, packed_prompts, prompt_cu_seqlens, config, generator,
+                           static_steps)
+    if not static_steps:
+        decode_steps(model, config, state, config.max_new_tokens)
+    return finish_decoding(state)
+
+
+@dataclasses.dataclass
+class DecodingState:
+    """A generate call between two decode steps: what `decode_steps` continues from.
+
+    `realrl.models.interruptible_generation` keeps one across requests, so that new weights can
+    be swapped in between two chunks of steps (`next_step` is the step that runs next, 1-based:
+    step 0 is the prefill's choice; the token it feeds, `tokens`, is chosen and recorded but not
+    yet in the cache).
+    """
+
+    packed_prompts: torch.Tensor  # [total_prompt_tokens]
+    prompt_lens: torch.Tensor  # [num_prompts]
+    n: int
+    cache: _Cache | None  # None once the static path's steps have run
+    record: _Record
+    decoding: _DynamicDecoding | None  # None on the static path
+    masks: tuple[torch.Tensor, torch.Tensor]  # stop_mask [vocab], mask_stop [max_new]
+    tokens: torch.Tensor  # [num_seqs]: the last chosen tokens
+    next_step: int = 1
+    done: bool = False
+
+
+def start_decoding(
+    model: Transformer,
+    packed_prompts: torch.Tensor,  # [total_prompt_tokens]
+    prompt_cu_seqlens: torch.Tensor,  # [num_prompts + 1]
+    config: GenerationConfig,
+    generator: torch.Generator,
+    static_steps: bool = False,
+) -> DecodingState:
+    """Prefill and choose the first tokens; with `static_steps` also run every decode step
+    (`realrl.models.cuda_graphs`), else leave them to `decode_steps`."""
     if model.config.is_critic:
         raise ValueError("generate() needs a language model, but this model is a critic")
     config.validate()
@@ -444,18 +485,22 @@ def _generate(
         tables = (stop_mask, mask_stop, draws)
         decoded = decode_static(model, config, cache, first, row_prompt_lens, tables)
         record = _Record(*decoded)
-    else:
-        record = _Record.allocate(len(row_prompt_lens), max_new, with_sampling, device)
-        record.add(*first, stop_tensor)
-        decoding = _DynamicDecoding(
-            layout.max_seqlen, row_prompt_lens, stop_tensor, draws, first_tokens=first[0]
-        )
-        _decode_dynamic(model, config, cache, record, decoding, (stop_mask, mask_stop))
-    steps = record.steps_done
+        return DecodingState(packed_prompts, prompt_lens, config.n, None, record, None,
+                             (stop_mask, mask_stop), first[0], record.steps_done, done=True)
+    record = _Record.allocate(len(row_prompt_lens), max_new, with_sampling, device)
+    record.add(*first, stop_tensor)
+    decoding = _DynamicDecoding(layout.max_seqlen, row_prompt_lens, stop_tensor, draws)
+    return DecodingState(packed_prompts, prompt_lens, config.n, cache, record, decoding,
+                         (stop_mask, mask_stop), first[0])
+
+
+def finish_decoding(state: DecodingState) -> GenerationOutput:
+    """Cut and pack the recorded tokens (`pack_outputs`)."""
+    record, steps = state.record, state.record.steps_done
     return pack_outputs(
-        packed_prompts,
-        prompt_lens,
-        config.n,
+        state.packed_prompts,
+        state.prompt_lens,
+        state.n,
         record.tokens[:, :steps],
         record.logprobs[:, :steps],
         None if record.sampling_logprobs is None else record.sampling_logprobs[:, :steps],
@@ -470,14 +515,17 @@ class _DynamicDecoding:
     row_prompt_lens: torch.Tensor  # [num_seqs]
     stop_ids: torch.Tensor  # [num_stop_ids] long
     draws: torch.Tensor  # [max_new, num_seqs, 1] uniforms
-    first_tokens: torch.Tensor  # [num_seqs]: chosen from the prefill's logits
 
 
-def _decode_dynamic(model, config, cache: _Cache, record: _Record, decoding, masks) -> None:
-    """The decode loop whose steps attend over one more column each (CPU, tensor parallelism,
-    CUDA with `cuda_graphs` off), eager or compiled (`config.compile`)."""
-    device, max_new, prompt_columns = model.device, config.max_new_tokens, decoding.prompt_columns
-    stop_mask, mask_stop = masks
+def decode_steps(model, config, state: DecodingState, stop_step: int) -> bool:
+    """Run the decode steps from `state.next_step` up to (not including) `stop_step`, or until
+    every row has finished; returns whether the generation is done. The steps attend over one
+    more column each (CPU, tensor parallelism, CUDA with `cuda_graphs` off), eager or compiled
+    (`config.compile`); running them in several calls gives the tokens of one call."""
+    device, max_new = model.device, config.max_new_tokens
+    decoding, cache, record = state.decoding, state.cache, state.record
+    prompt_columns = decoding.prompt_columns
+    stop_mask, mask_stop = state.masks
     # cos/sin for every decode step up front: step s feeds its token at position len_b + s.
     step_offsets = torch.arange(max_new, device=device)[:, None]
     step_positions = decoding.row_prompt_lens[None, :] + step_offsets  # [max_new, rows]
@@ -486,11 +534,12 @@ def _decode_dynamic(model, config, cache: _Cache, record: _Record, decoding, mas
     columns = torch.arange(prompt_columns, prompt_columns + max_new, device=device)
     rule, with_sampling = SamplingRule.of(config), config.return_sampling_logprobs
     has_stop_ids = decoding.stop_ids.numel() > 0
-    tokens = decoding.first_tokens
+    tokens = state.tokens
     decode = _decode_function(model, config.compile)
     with _decode_threads(model, len(decoding.row_prompt_lens)):
-        for step in range(1, max_new):
+        for step in range(state.next_step, min(stop_step, max_new)):
             if record.all_finished(config.check_done_every, has_stop_ids):
+                state.done = True
                 break
             seen = prompt_columns + step  # the columns up to the one this step writes
             score_bias, column_index = cache.score_bias[..., :seen], cache.column_index[:seen]
@@ -513,3 +562,7 @@ def _decode_dynamic(model, config, cache: _Cache, record: _Record, decoding, mas
                 decoding.draws[step],
             )
             tokens = record.add(*chosen, decoding.stop_ids)
+            state.next_step = step + 1
+    state.tokens = tokens
+    state.done = state.done or state.next_step >= max_new
+    return state.done

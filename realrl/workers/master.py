@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, MFCKind, ParamReallocHook
 from realrl.api.errors import UserFacingError
+from realrl.workers.chunked_generation import ChunkSettings, run_in_chunks, runs_in_chunks
 from realrl.workers.realloc import transfer_ranks
-from realrl.workers.rollout_filter import apply_rollout_filter
+from realrl.workers.rollout_filter import apply_rollout_filter, discarded_by_filter
 from realrl.workers.run_plan import LayoutKey, RunPlan
 from realrl.workers.transport import AsyncClient
 from realrl.workers.watchdog import DeadlinePolicy, InFlightCalls, WatchdogClock
@@ -48,7 +49,7 @@ class RolloutError(UserFacingError):
 
 @dataclass
 class StepResult:
-    data: SequenceSample
+    data: SequenceSample | None  # None: the rollout filter dropped every group of a request
     stats: dict[str, float] = field(default_factory=dict)
     timing: dict[str, float] = field(default_factory=dict)  # seconds per MFC and transfer
     compute: dict[str, float] = field(default_factory=dict)  # worker-side seconds per MFC
@@ -73,6 +74,9 @@ class Master:
         # Their failures, recorded before the failed rank's lock is given back, so that the
         # next request on that rank stops instead of running on weights that never arrived.
         self._background_errors: list[Exception] = []
+        # Set by an asynchronous run: generate MFCs that record per-token weight versions run
+        # in chunks, new weights arriving between two (`realrl.workers.chunked_generation`).
+        self.generation_chunks: ChunkSettings | None = None
 
     # ------------------------------------------------------------------ one step
 
@@ -85,9 +89,12 @@ class Master:
 
     async def run_rollout(self, batch: SequenceSample,
                           more_prompts: Callable[[], SequenceSample] | None = None,
-                          step: int = 0) -> StepResult:
-        """The first half of a pipelined step: every MFC except the train ones."""
-        return await self._run_part(self.plan.rollout_mfcs(), batch, more_prompts, step)
+                          step: int = 0, keep_partial: bool = False) -> StepResult:
+        """The first half of a pipelined step: every MFC except the train ones. With
+        `keep_partial` (an asynchronous request) the groups the rollout filter keeps are the
+        result, however few: `result.data` is None when it dropped them all."""
+        return await self._run_part(self.plan.rollout_mfcs(), batch, more_prompts, step,
+                                    keep_partial)
 
     async def run_training(self, result: StepResult) -> None:
         """The second half of a pipelined step: the train MFCs, on a finished rollout."""
@@ -124,7 +131,7 @@ class Master:
 
     async def _run_part(self, names: list[str], batch: SequenceSample,
                         more_prompts: Callable[[], SequenceSample] | None,
-                        step: int) -> StepResult:
+                        step: int, keep_partial: bool = False) -> StepResult:
         """Run `names` on `batch`. With a rollout filter, the filter's MFC and its ancestors run
         first (again on `more_prompts()` when dynamic sampling dropped too many prompts), then
         the rest of `names`."""
@@ -134,17 +141,22 @@ class Master:
             await self._run_mfcs(names, result)
             return result
         rollout = self._ancestors_and_self(rollout_filter.after_mfc)
-        result = await self._rollout(batch, rollout, rollout_filter, more_prompts, step)
-        await self._run_mfcs([name for name in names if name not in rollout], result)
+        result = await self._rollout(batch, rollout, rollout_filter, more_prompts, step,
+                                     keep_partial)
+        if result.data is not None:
+            await self._run_mfcs([name for name in names if name not in rollout], result)
         return result
 
-    async def _rollout(self, batch, names, rollout_filter, more_prompts, step) -> StepResult:
-        target, kept, rounds = batch.bs, None, 0
+    async def _rollout(self, batch, names, rollout_filter, more_prompts, step,
+                       keep_partial) -> StepResult:
+        target, kept, rounds, discarded = batch.bs, None, 0, [0, 0]
         while True:
             rounds += 1
             result = StepResult(data=batch, step=step)
             await self._run_mfcs(names, result)
             filtered, stats = apply_rollout_filter(result.data, rollout_filter)
+            for index, count in enumerate(discarded_by_filter(result.data, filtered)):
+                discarded[index] += count
             if filtered is not None and kept is not None:
                 fresh = [i for i, id_ in enumerate(filtered.ids) if id_ not in set(kept.ids)]
                 filtered = filtered.reorder(fresh) if fresh else None
@@ -152,6 +164,8 @@ class Master:
                 kept = filtered if kept is None else SequenceSample.gather([kept, filtered])
             enough = kept is not None and kept.bs >= target
             if enough or not rollout_filter.drop_equal_reward_groups:
+                break
+            if keep_partial:
                 break
             if rounds >= rollout_filter.max_rounds or more_prompts is None:
                 have = 0 if kept is None else kept.bs
@@ -164,9 +178,15 @@ class Master:
                     f"group_size, or change the data."
                 )
             batch = more_prompts()
-        result.data = kept.reorder(list(range(target))) if kept.bs > target else kept
+        result.data = kept
+        if kept is not None and kept.bs > target:  # the surplus of the last round
+            result.data = kept.reorder(list(range(target)))
+            for index, count in enumerate(discarded_by_filter(kept, result.data)):
+                discarded[index] += count
         result.stats.update(stats)
         result.stats["rollout/rounds"] = float(rounds)
+        result.stats["rollout/discarded_groups"] = float(discarded[0])
+        result.stats["rollout/discarded_tokens"] = float(discarded[1])
         return result
 
     def _ancestors_and_self(self, name: str) -> set[str]:
@@ -238,6 +258,9 @@ class Master:
         self.layout_version[layout] = self.role_version[mfc.model_role]
 
     async def _run_mfc(self, mfc: MFCDef, result: StepResult) -> None:
+        if self.generation_chunks is not None and runs_in_chunks(mfc):
+            await run_in_chunks(self, mfc, result, self.generation_chunks)
+            return
         allocation = self.plan.allocations[mfc.name]
         layout = self.plan.layout_of(mfc.name)
         refresh = self._is_stale(mfc)

@@ -12,6 +12,7 @@ entered in the same order on every rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from realrl.api.dfg import MFCDef, MFCKind, OffloadHook
 from realrl.api.errors import UserFacingError
 from realrl.api.experiment import ModelKind
 from realrl.backends.torch_engine import NonFiniteError, ParallelContext, TorchEngine
+from realrl.interfaces.chunked_generation import ChunkRequest
 from realrl.interfaces.registry import make_interface
 from realrl.models.checkpoint import checkpoint_eos_token_ids
 from realrl.models.tokenizer import load_tokenizer
@@ -175,15 +177,20 @@ class ModelWorker:
 
     def _run_mfc(self, message: Message) -> Message:
         mfc = next(m for m in self.plan.mfcs if m.name == message.header["mfc"])
-        data = SequenceSample.from_wire(message.header["data"], message.tensors)
-        remap = {key: name for key, name in mfc.input_key_remap.items() if key in data.keys}
-        data = data.rename(remap) if remap else data  # a forward ahead has only forward_keys
+        data = None  # a chunk of a running generation after its first has none
+        if "data" in message.header:
+            data = SequenceSample.from_wire(message.header["data"], message.tensors)
+            remap = {key: name for key, name in mfc.input_key_remap.items() if key in data.keys}
+            data = data.rename(remap) if remap else data  # a forward ahead: forward_keys only
         interface = self._interface(mfc)
         engine = self._engine_for(mfc)
         method = {MFCKind.generate: interface.generate, MFCKind.inference: interface.inference,
                   MFCKind.train_step: interface.train_step}[mfc.kind]
         if message.header.get("ahead"):
             method = interface.train_forward  # the train call's forward (MFCDef.forward_keys)
+        if "chunk" in message.header:  # interruptible generation (rollout.mode=async)
+            method = functools.partial(interface.generate_chunk,
+                                       request=ChunkRequest(**message.header["chunk"]))
         torch_engine = engine if isinstance(engine, TorchEngine) else None
         self.memory.start(torch_engine)
         started = time.perf_counter()
@@ -195,14 +202,19 @@ class ModelWorker:
         except UserFacingError as error:  # a NaN under nan_policy=stop, a reward service down
             error.add_context(where)
             raise
+        compute_s = time.perf_counter() - started
+        if result is None:  # a chunk of a generation that goes on (`generate_chunk`)
+            peak_gb = self.memory.stop(mfc.name, True, torch_engine)
+            return message.reply({"stats": {}, "compute_s": compute_s, "peak_memory_gb": peak_gb,
+                                  "chunk_done": False})
         if mfc.kind == MFCKind.train_step and torch_engine is not None:
             result.stats["skipped_steps"] = torch_engine.skipped_steps - skipped_before
         self._check_outputs(result.data, where)
-        compute_s = time.perf_counter() - started
         peak_gb = self.memory.stop(mfc.name, mfc.kind == MFCKind.generate, torch_engine)
         if any(isinstance(hook, OffloadHook) for hook in mfc.post_hooks):
             engine.offload()
-        header = {"stats": result.stats, "compute_s": compute_s, "peak_memory_gb": peak_gb}
+        header = {"stats": result.stats, "compute_s": compute_s, "peak_memory_gb": peak_gb,
+                  "chunk_done": True}
         if result.data is None or self.rank not in self.plan.allocations[mfc.name].dp_head_ranks():
             return message.reply(header)
         output = result.data.rename(mfc.output_key_remap) if mfc.output_key_remap else result.data

@@ -66,3 +66,15 @@ def apply_rollout_filter(sample: SequenceSample, rollout_filter: RolloutFilter
             1 for r in per_sample if min(r) == max(r) and min(r) > 0) / max(1, sample.bs)
         sample = sample.reorder(useful) if useful else None
     return sample, stats
+
+
+def discarded_by_filter(before: SequenceSample, after: SequenceSample | None) -> tuple[int, int]:
+    """(groups, generated tokens) that `apply_rollout_filter` threw away: the prompts it dropped
+    and the response tokens (outside `prompt_mask`) of every response it did not keep."""
+    def response_tokens(sample: SequenceSample | None) -> int:
+        if sample is None:
+            return 0
+        return int(sample.data["prompt_mask"].logical_not().sum())
+
+    kept_groups = 0 if after is None else after.bs
+    return before.bs - kept_groups, response_tokens(before) - response_tokens(after)

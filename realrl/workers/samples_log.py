@@ -76,7 +76,9 @@ def _per_response_keys(data: SequenceSample) -> list[str]:
 def sample_rows(data: SequenceSample, tokenizer, count: int,
                 reward_key: str | None) -> list[dict]:
     """Up to `count` responses, the first response of each prompt first, as
-    `{"query_id", "prompt", "response", "reward", <per-response keys>, <metadata>}`. Text is
+    `{"query_id", "prompt", "response", "reward", <per-response keys>, <metadata>}`, and with
+    per-token weight versions (an asynchronous rollout) `token_weight_versions`, the version of
+    each response token's weights. Text is
     decoded with special tokens kept: it shows what the model read and wrote (chat template,
     EOS)."""
     if count <= 0 or not set(ROLLOUT_KEYS) <= data.keys:
@@ -105,6 +107,11 @@ def sample_rows(data: SequenceSample, tokenizer, count: int,
         row |= {key: data.data[key][response].item() for key in scalar_keys if key != reward_key}
         row |= {name: values[i] for name, values in data.metadata.items()
                 if isinstance(values[i], (str, int, float, bool))}
+        if "packed_weight_versions" in data.keys:  # shifted: one entry fewer per sequence
+            shifted_end = span.stop - response - 1
+            generated = int((~in_prompt).sum())  # the sequence's last shifted entries
+            versions = data.data["packed_weight_versions"][shifted_end - generated:shifted_end]
+            row["token_weight_versions"] = versions.tolist()
         rows.append(row)
     return rows
 

@@ -60,8 +60,12 @@ def test_async_rollout_with_eta_0_trains_exactly_like_synchronous_training(
     for expected, actual in zip(sync, streamed, strict=True):
         # The synchronous step reused actor_train's forward run ahead; the async one cannot
         # (its rollout ran in another request) and runs it in the train call: same numbers.
+        # Its generation ran in chunks (none of which new weights reached: eta=0), which gave
+        # the same tokens.
+        assert actual["actor_gen/weight_updates"] == 0
         actual = {key: value for key, value in without_timing(actual).items()
-                  if not key.startswith("async/") and key != "actor_train/forward_reused"}
+                  if not key.startswith("async/")
+                  and key not in ("actor_train/forward_reused", "actor_gen/weight_updates")}
         expected = {key: value for key, value in without_timing(expected).items()
                     if key != "actor_train/forward_reused"}
         assert actual == expected
@@ -99,6 +103,98 @@ def test_async_rollout_streams_groups_within_the_bound_and_checkpoints_the_untra
         master = json.loads((run_dir / "checkpoints" / f"step{step:06d}" / "master.json")
                             .read_text())
         assert master["data"]["position"] == step * BATCH_SIZE
+
+
+@pytest.mark.parametrize("kv_cache,interpolate", [
+    ("recompute", True), pytest.param("keep", False, marks=pytest.mark.slow)])
+def test_new_weights_reach_generations_in_flight_and_no_token_is_lost(
+    tiny_model, cli_env, tmp_path, kv_cache, interpolate
+):
+    """Interruptible generation: one decode step per chunk and eta=3, so the generation worker
+    keeps 3 batches ahead while the trainer publishes new weights between its chunks. Every
+    response's tokens record their weights' versions: never decreasing along the response
+    (a generation only moves to newer weights), the group's `weight_version` its oldest, all
+    within the bound; some generations switch versions mid-response, and every step still
+    trains `dataset.batch_size` distinct prompts, each response whole. With the decoupled
+    loss's interpolated proximal log-probs, each token's own lag sets them: lags 0 and 1 give
+    the behaviour log-probs themselves, so a step whose tokens are at most 1 step stale has no
+    behaviour mismatch."""
+    eta, steps = 3, 4
+    decoupled = ["ppo.decoupled_loss=true", "ppo.prox_logp=interpolate"] if interpolate else []
+    result = run_cli("ppo-math", [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
+        "rollout.mode=async", f"rollout.max_head_offpolicyness={eta}",
+        "rollout.groups_per_request=1", "rollout.decode_steps_per_chunk=1",
+        f"rollout.interrupt_kv_cache={kv_cache}", f"total_train_steps={steps}", *decoupled,
+    ], cli_env)
+    assert result.returncode == 0, describe(result)
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    rows = _samples(run_dir)
+    assert len(rows) == steps * 2 * BATCH_SIZE
+    switched = 0
+    for row in rows:
+        versions = row["token_weight_versions"]
+        assert 1 <= len(versions) <= 8 and versions == sorted(versions)
+        assert row["step"] - 1 - eta <= versions[0] and versions[-1] <= row["step"] - 1
+        assert row["weight_version"] <= versions[0]  # the oldest of its group's responses
+        switched += versions[0] != versions[-1]
+    metrics = read_metrics(run_dir)
+    # The generator runs ahead of the trainer from the start, so weights reach it mid-response.
+    assert switched > 0 and sum(record["async/interrupted_groups"] for record in metrics) > 0
+    for record in metrics:
+        assert record["async/token_staleness_max"] <= record["async/staleness_max"] <= eta
+        if interpolate:
+            mismatch = record["actor_train/behav_logp_abs_diff"]
+            assert mismatch == 0 if record["async/token_staleness_max"] <= 1 else mismatch > 0
+    assert len({row["query_id"] for row in rows}) == steps * BATCH_SIZE
+
+
+def test_finished_first_assembly_with_best_of_n_trains_full_batches_within_the_bound(
+    tiny_model, cli_env, tmp_path
+):
+    """The rollout filter on each request as it finishes (best-of-n: 4 responses generated per
+    prompt, the best 2 kept, the rest counted as thrown away), and steps that train the first
+    groups to finish: full batches of distinct prompts, none staler than eta."""
+    eta, steps = 2, 3
+    result = run_cli("ppo-math", [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
+        "generation_size=4", "rollout.mode=async", "rollout.assembly=finished_first",
+        f"rollout.max_head_offpolicyness={eta}", "rollout.groups_per_request=1",
+        f"total_train_steps={steps}", "save_freq_steps=2",
+    ], cli_env)
+    assert result.returncode == 0, describe(result)
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    # The trained groups are no prefix of the data: a checkpoint records the position past
+    # every batch drawn (whole batches), so a resumed run trains no prompt twice.
+    master = json.loads((run_dir / "checkpoints" / "step000002" / "master.json").read_text())
+    position = master["data"]["position"]
+    assert 2 * BATCH_SIZE <= position <= (2 + eta + 1) * BATCH_SIZE
+    assert position % BATCH_SIZE == 0
+    metrics = read_metrics(run_dir)
+    for record in metrics:
+        assert record["actor_train/num_sequences"] == 2 * BATCH_SIZE
+        assert 0 <= record["async/staleness_max"] <= eta
+        assert record["async/discarded_groups"] == 0  # best-of-n drops responses, not prompts
+    # Every prompt's 2 responses not kept are thrown away: at least one token each.
+    assert sum(record["async/discarded_tokens"] for record in metrics) >= 2 * BATCH_SIZE * steps
+    rows = _samples(run_dir)
+    assert len({row["query_id"] for row in rows}) == steps * BATCH_SIZE
+
+
+def test_async_dynamic_sampling_stops_with_a_clear_error_when_every_group_agrees(
+    tiny_model, cli_env, tmp_path
+):
+    data = tmp_path / "impossible.jsonl"  # no model answers "banana": every reward is 0
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": "banana"}) + "\n"
+                            for i in range(40)))
+    result = run_cli("ppo-math", [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS,
+        f"dataset.path={data}", "ppo.dynamic_sampling=true", "ppo.max_generation_rounds=2",
+        "rollout.mode=async", "rollout.assembly=finished_first", "total_train_steps=2",
+    ], cli_env)
+    assert result.returncode != 0
+    assert "too easy or too hard" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 @pytest.mark.slow

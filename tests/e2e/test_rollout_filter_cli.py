@@ -32,6 +32,9 @@ def test_best_of_n_trains_on_group_size_responses_per_prompt(tmp_path, cli_env, 
     (metrics,) = read_metrics(tmp_path / "ppo-math" / "trial0")
     assert metrics["actor_train/num_sequences"] == 4 * 2
     assert "rollout/best_of_n_reward" in metrics
+    # 3 of each prompt's 5 responses are thrown away, at least one token each; no prompt is.
+    assert metrics["rollout/discarded_groups"] == 0
+    assert metrics["rollout/discarded_tokens"] >= 4 * 3
 
 
 def test_ref_offload_hook_runs_through_the_cli(tmp_path, cli_env, tiny_model):

@@ -10,10 +10,12 @@ import torch
 from interface_helpers import EOS_ID, build_model, make_engine, rollout_batch
 from test_ppo_actor import actor_config
 
+from realrl.algo.offpolicy import interpolated_proximal_logprobs
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.common import loss_mask_from_prompt_mask, shifted_seqlens
 from realrl.interfaces.ppo_actor import PPOActorInterface
+from realrl.interfaces.ppo_batch import policy_lag
 
 
 def _rollout(engine, tokenizer):
@@ -96,22 +98,35 @@ def test_several_optimizer_steps_take_proximal_logprobs_from_one_forward_before_
     assert stats["behav_logp_abs_diff"] < 1e-5
 
 
+def _with_versions(data, versions: torch.Tensor, trainer_version: int):
+    """`data` with `packed_weight_versions` (shifted, -1 where the next token is a prompt token,
+    `versions` on the response tokens) and the trainer's version, as an async batch has them."""
+    shifted = shifted_seqlens(data.seqlens["packed_input_ids"])
+    loss_mask = loss_mask_from_prompt_mask(data.data["prompt_mask"],
+                                           data.cu_seqlens("packed_input_ids"))
+    packed = torch.full(loss_mask.shape, -1, dtype=torch.int64)
+    packed[loss_mask] = versions
+    data.update_(SequenceSample.from_tensors(
+        ids=data.ids, seqlens={"packed_weight_versions": shifted},
+        data={"packed_weight_versions": packed},
+        metadata={"trainer_version": [trainer_version] * data.bs},
+    ))
+    return data
+
+
 def test_interpolated_proximal_logprobs_need_the_policy_lag(tokenizer):
     def data_for(engine):
         return _rollout(engine, tokenizer)
 
-    with pytest.raises(ValueError, match="packed_policy_lag"):
+    with pytest.raises(ValueError, match="rollout.mode=async"):
         _train(tokenizer, data_for, decoupled_loss=True, prox_logp="interpolate")
 
-    # Lag 0 everywhere: alpha = 0, the behaviour log-probs are the proximal ones, w = 1.
+    # Lag 0 everywhere (every token by the trainer's version 3): alpha = 0, the behaviour
+    # log-probs are the proximal ones, w = 1.
     def lagged(engine):
         data = _rollout(engine, tokenizer)
-        shifted = shifted_seqlens(data.seqlens["packed_input_ids"])
-        lag = torch.zeros(sum(map(sum, shifted)), dtype=torch.int64)
-        data.update_(SequenceSample.from_tensors(
-            ids=data.ids, seqlens={"packed_policy_lag": shifted}, data={"packed_policy_lag": lag}
-        ))
-        return data
+        tokens = int(data.data["prompt_mask"].logical_not().sum())
+        return _with_versions(data, torch.full((tokens,), 3), trainer_version=3)
 
     stats, params = _train(tokenizer, lagged, decoupled_loss=True, prox_logp="interpolate")
     _, standard_params = _train(tokenizer, lagged)
@@ -136,3 +151,20 @@ def test_bf16_generation_against_fp32_training_is_measured_and_truncated(tokeniz
     assert 1e-4 < stats["behav_logp_abs_diff"] < 0.2
     assert 0.0 < stats["behav_capped_fraction"] < 1.0
     assert stats["behav_imp_weight"] < 1.0  # every weight <= 1 and some below
+
+
+def test_interpolation_takes_each_tokens_own_version():
+    # One group of two sequences: 2 prompt + 3 response tokens, 2 prompt + 2 response tokens;
+    # shifted entry i predicts token i + 1, so each sequence's first entry predicts a prompt
+    # token (-1). New weights reached both mid-way: versions 5, 5, 6 and 3, 6.
+    data = SequenceSample.from_tensors(
+        ids=["group"], seqlens={"packed_weight_versions": [[4, 3]]},
+        data={"packed_weight_versions": torch.tensor([-1, 5, 5, 6, -1, 3, 6])},
+        metadata={"trainer_version": [7]},
+    )
+    lag = policy_lag(data)  # 7 - version, 0 on prompt entries
+    assert lag.tolist() == [0, 2, 2, 1, 0, 4, 1]
+    # alpha = (lag - 1) / lag: [0, 1/2, 1/2, 0, 0, 3/4, 0]; behaviour -1, current -3:
+    # prox = -1 + alpha * (-3 - -1) = -1 - 2 * alpha.
+    proximal = interpolated_proximal_logprobs(torch.full((7,), -1.0), torch.full((7,), -3.0), lag)
+    torch.testing.assert_close(proximal, torch.tensor([-1.0, -2.0, -2.0, -1.0, -1.0, -2.5, -1.0]))

@@ -41,3 +41,23 @@ def test_requests_must_divide_the_batch_and_cover_the_data_parallel_ranks(tmp_pa
         _plan(tmp_path, ["n_devices_per_node=4", "dataset.batch_size=6",
                          "rollout.groups_per_request=1"])
     _plan(tmp_path, ["n_devices_per_node=4", "dataset.batch_size=6"])  # 0: 2 groups, dp 2
+
+
+def test_the_graph_carries_token_versions_and_the_settings_that_need_them_are_checked(tmp_path):
+    # Async: actor_gen writes each token's weight version; the interpolated proximal log-probs
+    # read it in actor_train.
+    plan = _plan(tmp_path, ["n_devices_per_node=2", "ppo.disable_value=true",
+                            "ppo.adv_estimator=grpo", "ppo.decoupled_loss=true",
+                            "ppo.prox_logp=interpolate"])
+    mfcs = plan.graph.mfcs
+    assert "packed_weight_versions" in mfcs["actor_gen"].output_keys
+    assert "packed_weight_versions" in mfcs["actor_train"].input_keys
+    config_class = get_experiment("ppo-math").config_class
+    with pytest.raises(ConfigError, match="only `rollout.mode=async` records"):
+        build_plan(resolve_config(config_class, [
+            f"output_root={tmp_path}", "ppo.decoupled_loss=true", "ppo.prox_logp=interpolate"]))
+    # Dynamic sampling drops groups: only finished-first assembly can fill batches then.
+    with pytest.raises(ConfigError, match="set `rollout.assembly=finished_first`"):
+        _plan(tmp_path, ["n_devices_per_node=2", "ppo.dynamic_sampling=true"])
+    _plan(tmp_path, ["n_devices_per_node=2", "ppo.dynamic_sampling=true",
+                     "rollout.assembly=finished_first"])

@@ -3,7 +3,11 @@ import torch
 
 from realrl.api.data import SequenceSample
 from realrl.api.experiment import RolloutFilter
-from realrl.workers.rollout_filter import apply_rollout_filter, select_sequences
+from realrl.workers.rollout_filter import (
+    apply_rollout_filter,
+    discarded_by_filter,
+    select_sequences,
+)
 
 
 def rollouts(rewards_per_prompt):
@@ -61,3 +65,21 @@ def test_dynamic_sampling_returns_none_when_no_prompt_is_useful():
     rule = RolloutFilter("rew_inf", group_size=2, drop_equal_reward_groups=True)
     kept, stats = apply_rollout_filter(sample, rule)
     assert kept is None and stats["rollout/all_equal_fraction"] == 1.0
+
+
+def test_discarded_counts_the_dropped_prompts_and_every_response_token_not_kept():
+    # Response j of prompt i: i + j + 1 tokens, the first a prompt token (prompt_mask), so i + j
+    # response tokens.
+    sample = rollouts([[1.0, 0.0, 0.5], [0.0, 1.0, 0.5], [0.0, 0.0, 0.0]])
+    seqlens = sample.seqlens_of("packed_input_ids")  # [1, 2, 3, 2, 3, 4, 3, 4, 5]
+    prompt_mask = torch.cat([torch.arange(n) == 0 for n in seqlens])
+    sample.update_(SequenceSample.from_tensors(
+        ids=sample.ids, seqlens={"prompt_mask": sample.seqlens["packed_input_ids"]},
+        data={"prompt_mask": prompt_mask}))
+    rule = RolloutFilter("rew_inf", group_size=2, drop_equal_reward_groups=True)
+    kept, _ = apply_rollout_filter(sample, rule)
+    # Best-of-2 keeps responses 0, 2 of q0 and 1, 2 of q1; q2's rewards agree: dropped. Thrown
+    # away: q0's response 1 (1 token), q1's response 0 (1), all of q2 (2 + 3 + 4): 11 tokens.
+    assert kept.ids == ["q0", "q1"]
+    assert discarded_by_filter(sample, kept) == (1, 11)
+    assert discarded_by_filter(sample, None) == (3, 18)  # every response token: 3 + 6 + 9

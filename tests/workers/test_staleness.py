@@ -6,15 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from realrl.api.config import RolloutConfig, RolloutMode
+from realrl.api.config import BatchAssembly, RolloutConfig, RolloutMode
 from realrl.api.data import SequenceSample
 from realrl.workers.master import StepResult
 from realrl.workers.staleness import (
     FinishedRequest,
     StalenessBound,
+    group_versions,
     merge_requests,
     split_into_requests,
     staleness_stats,
+    token_staleness_stats,
 )
 
 
@@ -61,10 +63,11 @@ def _request(groups: int, version: int, stats: dict, generated_by: int, name: st
     data = SequenceSample.from_default(
         ids=[f"{name}{i}" for i in range(groups)], seqlens=[2] * groups,
         data={"packed_prompts": torch.arange(2 * groups)},
+        metadata={"weight_version": [version] * groups},
     )
     result = StepResult(data=data, stats=stats, timing={"actor_gen": 1.5},
                         compute={"actor_gen": 1.0}, generated_by={"actor": generated_by})
-    return FinishedRequest(result, version, busy_s=1.5)
+    return FinishedRequest(result, busy_s=1.5)
 
 
 def test_merge_keeps_data_order_weights_statistics_by_groups_and_the_oldest_version():
@@ -96,14 +99,17 @@ def test_split_into_requests_keeps_the_batch_order():
 
 def test_async_settings_are_checked_with_the_key_and_a_fix():
     settings = RolloutConfig(mode=RolloutMode["async"], max_head_offpolicyness=-1,
-                             groups_per_request=3)
+                             groups_per_request=3, decode_steps_per_chunk=-1)
     problems = settings.validate("rollout", batch_size=8, pipeline_rollout=True,
-                                 rollout_data_parallel=1, has_rollout_filter=True)
-    assert len(problems) == 4
+                                 rollout_data_parallel=1, filter_drops_groups=True)
+    assert len(problems) == 5
     assert "set pipeline_rollout=false" in problems[0]
     assert "`rollout.max_head_offpolicyness=-1`" in problems[1]
     assert "`rollout.groups_per_request=3` must divide `dataset.batch_size=8`" in problems[2]
-    assert "rollout filter" in problems[3]
+    assert "`rollout.decode_steps_per_chunk=-1` must be >= 0" in problems[3]
+    assert "set `rollout.assembly=finished_first`" in problems[4]
+    finished_first = RolloutConfig(mode=RolloutMode["async"], assembly=BatchAssembly.finished_first)
+    assert finished_first.validate("rollout", 8, False, 1, filter_drops_groups=True) == []
     # 0: a quarter of the batch, or the next divisor of it, at least the data-parallel size.
     automatic = RolloutConfig(mode=RolloutMode["async"])
     assert automatic.request_groups(batch_size=16, data_parallel=1) == 4
@@ -113,3 +119,29 @@ def test_async_settings_are_checked_with_the_key_and_a_fix():
     below_dp = RolloutConfig(mode=RolloutMode["async"], groups_per_request=1)
     assert "data-parallel size 2" in below_dp.validate("rollout", 8, False, 2, False)[0]
     assert RolloutConfig().validate("rollout", 8, True, 2, True) == []  # mode=sync
+
+
+def _versioned_groups() -> SequenceSample:
+    """Two groups of two sequences each, per-token versions shifted like the log-probs (-1 where
+    the next token is a prompt token): group a ran on 3 throughout; new weights (4, then 5)
+    reached group b mid-way."""
+    return SequenceSample.from_tensors(
+        ids=["a", "b"], seqlens={"packed_weight_versions": [[3, 2], [4, 3]]},
+        data={"packed_weight_versions": torch.tensor([-1, 3, 3, -1, 3,
+                                                      -1, 3, 4, 4, -1, 4, 5])},
+    )
+
+
+def test_a_groups_version_is_its_oldest_tokens():
+    assert group_versions(_versioned_groups(), default=9) == [3, 3]
+    plain = _request(2, 0, {}, 0, "p").result.data  # no per-token versions: the request's
+    assert group_versions(plain, default=6) == [6, 6]
+
+
+def test_token_staleness_counts_every_generated_token_and_the_interrupted_groups():
+    stats = token_staleness_stats(_versioned_groups(), version=5)
+    # Generated tokens' versions 3, 3, 3 | 3, 4, 4, 4, 5: staleness 2, 2, 2, 2, 1, 1, 1, 0,
+    # mean 11 / 8; group b spans three versions.
+    assert stats == {"async/token_staleness_mean": 11 / 8, "async/token_staleness_max": 2.0,
+                     "async/interrupted_groups": 1.0}
+    assert token_staleness_stats(_request(1, 0, {}, 0, "p").result.data, 5) == {}
