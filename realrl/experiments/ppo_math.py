@@ -136,6 +136,16 @@ class PPOMathConfig(BaseExperimentConfig):
         return [generate, *reward_mfcs(self.reward, self.dataset.batch_size,
                                        self._reward_microbatches(), greedy, self.rm.offload)]
 
+    def _actor_config(self) -> PPOActorConfig:
+        """The actor interface's config of actor_gen and actor_train (ppo-agent adds its
+        episode)."""
+        return PPOActorConfig(
+            ppo=self.ppo,
+            generation=self.gen,
+            group_size=self.group_size,
+            generation_size=self.generation_size or self.group_size,
+        )
+
     def _reward_microbatches(self):
         return {name: getattr(self, name).microbatch_spec()
                 for name in ("rew_inf", "rm_inf", "remote_inf", "reward_sum")}
@@ -235,12 +245,7 @@ class PPOMathConfig(BaseExperimentConfig):
         train_inputs += ("packed_ref_logprobs",) if use_ref else ()
         train_inputs += ("values",) if use_critic else ()
         train_inputs += ("baseline_rewards",) if self.ppo.adv_estimator == "remax" else ()
-        actor_config = PPOActorConfig(
-            ppo=self.ppo,
-            generation=self.gen,
-            group_size=self.group_size,
-            generation_size=self.generation_size or self.group_size,
-        )
+        actor_config = self._actor_config()
 
         def mfc(name, role, kind, interface, config, inputs, outputs, **extra):
             return MFCDef(name=name, model_role=role, kind=kind, interface=interface,

@@ -30,6 +30,7 @@ from realrl.algo.losses import entropy_bonus_loss, ppo_policy_loss
 from realrl.algo.offpolicy import behaviour_importance_weights, interpolated_proximal_logprobs
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
+from realrl.episodes.rollout import EpisodeRollout
 from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import (
     DistributedMeans,
@@ -63,6 +64,7 @@ class PPOActorInterface:
         # seq-mean-token-sum-norm's constant length: ppo.loss_agg_norm_length or max_new_tokens.
         self.norm_length = config.ppo.loss_agg_norm_length or config.generation.max_new_tokens
         self._warned_best_of_n = False
+        self._episodes: EpisodeRollout | None = None  # built on the first episode rollout
 
     def optimizer_steps_per_call(self) -> int:
         return self.ppo.num_epochs * self.ppo.num_minibatches
@@ -85,6 +87,8 @@ class PPOActorInterface:
                 config.group_size,
             )
             self._warned_best_of_n = True
+        if config.episode.enabled:
+            return self._episode_rollout(engine, data)
         started = time.perf_counter()
         output = generate(
             engine.module,
@@ -101,6 +105,17 @@ class PPOActorInterface:
             "no_eos_fraction": float(output.no_eos.float().mean()),
             "generated_tokens_per_s": float(response_lens.sum()) / max(elapsed_s, 1e-9),
         }
+        return MFCResult(data=rollout, stats=stats)
+
+    def _episode_rollout(self, engine, data: SequenceSample) -> MFCResult:
+        """``episode.name`` set: one multi-turn episode per response (`realrl.episodes`)."""
+        config = self.config
+        if self._episodes is None:
+            self._episodes = EpisodeRollout(config.episode, config.apply_chat_template,
+                                            engine.tokenizer)
+        sampling = sampling_config(config.generation, 1, engine)
+        rollout, stats = self._episodes.run(engine, data, sampling, config.generation_size,
+                                            config.group_size)
         return MFCResult(data=rollout, stats=stats)
 
     # ------------------------------------------------------------------ inference
