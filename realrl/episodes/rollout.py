@@ -138,4 +138,6 @@ def episode_stats(results: list[EpisodeResult], round_sizes: list[int],
         "turns_per_episode": sum(result.turns for result in results) / count,
         "episode_length": sum(len(result.token_ids) for result in results) / count,
         "generation_rounds": float(len(round_sizes)),
+        # Model turns per engine call: how many episodes were in flight together.
+        "episodes_per_round": sum(round_sizes) / max(len(round_sizes), 1),
     }

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from realrl.api.episode_config import TOOL_NAMES, EpisodeConfig
+from realrl.api.episode_config import EpisodeConfig
 from realrl.rewards.code_sandbox import CodeSandbox
 
 _CALL_START = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
@@ -106,15 +106,24 @@ def _evaluate(node: ast.AST) -> Fraction:
 
 
 def _python_program(argument: str) -> str:
-    """The program of a python call; a fenced block is unwrapped, and a bare expression is
-    printed (``python(2**10)`` prints 1024)."""
+    """The program of a python call; a fenced block is unwrapped, and a bare expression other
+    than a print is printed (``python(2**10)`` prints 1024)."""
     fenced = _FENCE.match(argument)
     program = fenced.group(1) if fenced else argument
     try:
-        ast.parse(program, mode="eval")
+        expression = ast.parse(program, mode="eval").body
     except SyntaxError:
         return program
-    return f"print({program})"
+    calls_print = (isinstance(expression, ast.Call) and isinstance(expression.func, ast.Name)
+                   and expression.func.id == "print")
+    return program if calls_print else f"print({program})"
+
+
+# Tool name -> what it does, in the order tools are listed to the model.
+TOOLS = {
+    "calc": "exact arithmetic: calc(417*386)",
+    "python": "a Python program in the sandbox, its stdout: python(print(417*386))",
+}
 
 
 class ToolBox:
@@ -123,7 +132,7 @@ class ToolBox:
 
     def __init__(self, config: EpisodeConfig) -> None:
         self.config = config
-        self.tools = tuple(tool for tool in TOOL_NAMES if tool in config.tools)
+        self.tools = tuple(tool for tool in TOOLS if tool in config.tools)
         self._sandbox: CodeSandbox | None = None
 
     def parse(self, text: str) -> ToolCall | None:
@@ -143,8 +152,10 @@ class ToolBox:
                 return self._output(f"error: {error}", ok=False)
         run = self._python().run_program(_python_program(call.argument))
         if run.status != "ok":
-            detail = run.stderr.strip().splitlines()[-1:] if run.status == "error" else []
-            return self._output(": ".join([f"error: {run.status}", *detail]), ok=False)
+            # An exception's last line ("ZeroDivisionError: division by zero"), else the limit
+            # the program hit ("timeout", "memory", "output_limit").
+            last_line = run.stderr.strip().splitlines()[-1:] if run.status == "error" else []
+            return self._output(f"error: {(last_line or [run.status])[0]}", ok=False)
         return self._output(run.stdout.strip(), ok=True)
 
     def _output(self, text: str, ok: bool) -> ToolOutput:

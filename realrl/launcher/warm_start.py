@@ -89,9 +89,9 @@ def _build(command: list[str], run_dir: Path, target: Path) -> None:
 # (`realrl.datasets.tool_arithmetic.as_tool_sft_records`), so that it knows the call format
 # and calls a tool on about that fraction of problems.
 TOOL_WARM_START_VERSION = "v1"
-TOOL_FRACTION = 0.3
+TOOL_FRACTION = 0.5
 TOOL_WARM_START_OVERRIDES = [
-    "total_train_steps=1500", "dataset.batch_size=64", "model.optimizer.lr=2e-3",
+    "total_train_steps=3000", "dataset.batch_size=64", "model.optimizer.lr=3e-3",
     "model.optimizer.lr_scheduler=cosine", "model.optimizer.warmup_steps_proportion=0.05",
     "wandb.mode=disabled", "tensorboard=false", "seed=1", "n_devices_per_node=1",
 ]
