@@ -112,11 +112,17 @@ class Transcript:
         self.no_eos = not completion.ended
 
     def add_tool(self, token_ids: list[int], output: ToolOutput) -> None:
+        """A tool call's output turn (`EpisodeEnv.tool_turn_ids`), counted in the metrics."""
+        self.add_other(token_ids)
+        self.tool_calls += 1
+        self.tool_errors += not output.ok
+
+    def add_other(self, token_ids: list[int]) -> None:
+        """Tokens the model did not write, such as the environment's feedback
+        (`EpisodeEnv.user_turn_ids`): no log-probs, never in the loss."""
         self.ids += token_ids
         self.model_mask += [False] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
-        self.tool_calls += 1
-        self.tool_errors += not output.ok
 
     def result(self) -> EpisodeResult:
         return EpisodeResult(self.ids, self.model_mask, self.logprobs, self.no_eos,

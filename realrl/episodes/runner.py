@@ -99,7 +99,12 @@ class EpisodeEnv:
             return await asyncio.to_thread(toolbox.run, call)
 
     def tool_turn_ids(self, output: ToolOutput) -> list[int]:
+        """A tool's output as the tokens that follow the model turn that called it."""
         return self.turns.tool_turn_ids(output.text)
+
+    def user_turn_ids(self, text: str) -> list[int]:
+        """The environment's words to the model, as the tokens of a user turn."""
+        return self.turns.user_turn_ids(text)
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a model turn after `num_tokens` tokens stays within the model's context."""

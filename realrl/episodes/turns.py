@@ -44,6 +44,13 @@ class TurnFormat:
         return self.tokenizer.encode(self._chat_tail(output, self._tool_role),
                                      add_special_tokens=False)
 
+    def user_turn_ids(self, text: str) -> list[int]:
+        """The tokens of the environment's (the user's) words between two model turns: a user
+        message through the chat template, or the text itself."""
+        if not self.chat_template:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(self._chat_tail(text, "user"), add_special_tokens=False)
+
     def _chat_tail(self, output: str, role: str) -> str:
         """The rendered text after the assistant turn's end token, up to the next assistant
         header."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from episode_helpers import prompt_batch, rollout
 
 from realrl.api.episode_config import EpisodeConfig
 from realrl.episodes.api import get_episode
@@ -65,3 +68,18 @@ def test_an_episode_of_ones_own_is_registered_from_episode_module(tokenizer, tmp
     config = EpisodeConfig(name="one_turn_for_test", module=str(module))
     rollout = EpisodeRollout(config, apply_chat_template=None, tokenizer=tokenizer)
     assert rollout.episode is get_episode("one_turn_for_test")
+
+
+def test_the_documented_example_episode_runs_and_its_feedback_is_not_the_models(tokenizer):
+    example = Path(__file__).resolve().parents[2] / "examples" / "retry_episode.py"
+    data = prompt_batch(tokenizer, ["12*34=", "5*6="], ["", ""])
+    sample = rollout(tokenizer, data, group_size=4, episode="retry_once",
+                     module=str(example)).data
+    lengths = sample.seqlens_of("packed_input_ids")
+    not_model_texts = [
+        tokenizer.decode(ids[not_model]) for ids, not_model in
+        zip(sample.data["packed_input_ids"].split(lengths), sample.data["prompt_mask"].split(lengths))
+    ]
+    prompts = ["12*34="] * 4 + ["5*6="] * 4
+    assert all(text in (prompt, prompt + "wrong:") for text, prompt in zip(not_model_texts, prompts))
+    assert any(text.endswith("wrong:") for text in not_model_texts)  # a random model errs
