@@ -1,7 +1,7 @@
 """The built-in agentic task: multiplication of two- and three-digit numbers.
 
 Products such as ``417*386=`` -> ``160962`` are beyond what the tiny default model computes in
-its head (it gets a few percent right), and a ``calc(417*386)`` tool call gets them all right,
+its head (its answers from memory are almost never right), and a ``calc(417*386)`` call is,
 so a policy that learns to call the tool earns more reward (`realrl.episodes.builtin`). The
 prompts are those of `realrl.datasets.arithmetic` with ``*`` only, so the rule reward checks
 them as it checks the other built-in problems.

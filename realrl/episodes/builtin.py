@@ -3,10 +3,10 @@
 ``tool_arithmetic`` serves the built-in multiplication task (`dataset.builtin_task=
 multiplication`, products of three-digit numbers, too hard for the tiny default model to do in
 its head) and any prompt whose answer a tool can work out. An episode printed from the
-warm-started default model (raw format, `<eos>` is the model's end of turn; model tokens in
-brackets):
+default model after the 60 steps of the default ppo-agent run (raw format, `<eos>` ends a model
+turn; the model's tokens in brackets; docs/agentic.md has more):
 
-    417*386=[calc(417*386)<eos>]out(160962)[160962<eos>]
+    99*322=[calc(99*322)<eos>]out(31878)[31878<eos>]
 
 Each model turn either answers (the episode ends) or calls a tool (`realrl.episodes.tools`);
 the tool output joins the sequence (`realrl.episodes.turns`) and the model takes another turn.
