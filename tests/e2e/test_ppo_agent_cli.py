@@ -3,6 +3,9 @@ multiplication task, their metrics logged, and a bad episode name refused before
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from e2e_helpers import describe, read_metrics, run_cli
 
 SMALL_AGENT = [
@@ -43,3 +46,17 @@ def test_an_unknown_episode_is_refused_before_anything_starts(tiny_model, cli_en
     assert "`episode.name=no_such_episode` is not a registered episode" in result.stderr, (
         describe(result))
     assert "tool_arithmetic" in result.stderr
+
+
+@pytest.mark.slow  # ~35 s on a loaded 2-core machine
+def test_ppo_agent_runs_episodes_through_a_chat_template(chat_model, cli_env, tmp_path):
+    result = run_cli(
+        "ppo-agent", [f"actor.path={chat_model}", f"output_root={tmp_path}",
+                      *SMALL_AGENT[:-2], "total_train_steps=1", "n_devices_per_node=1"],
+        cli_env,
+    )
+    assert result.returncode == 0, describe(result)
+    run_dir = tmp_path / "ppo-agent" / "trial0"
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"].endswith("<|im_start|>assistant\n") for s in samples)
+    assert "actor_gen/tool_call_fraction" in read_metrics(run_dir)[0]
