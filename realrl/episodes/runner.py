@@ -61,17 +61,22 @@ class GenerationBatcher:
 
 
 @dataclass
-class _Shared:
-    """What every episode of one rollout shares."""
+class EpisodeSettings:
+    """What every episode of one rollout shares, besides the batcher."""
 
     config: EpisodeConfig
-    batcher: GenerationBatcher
     toolbox: ToolBox
     turns: TurnFormat
     tokenizer: object
-    tool_slots: asyncio.Semaphore
-    max_new_tokens: int
-    max_context: int
+    max_new_tokens: int  # per model turn
+    max_context: int  # the model's max_position_embeddings
+
+
+@dataclass
+class _Shared:
+    settings: EpisodeSettings
+    batcher: GenerationBatcher
+    tool_slots: asyncio.Semaphore  # python tool calls running at once
 
 
 class EpisodeEnv:
@@ -79,8 +84,8 @@ class EpisodeEnv:
 
     def __init__(self, index: int, prompt_ids: list[int], metadata: dict, shared: _Shared):
         self.index, self.prompt_ids, self.metadata = index, list(prompt_ids), metadata
-        self._shared = shared
-        self.config, self.tokenizer, self.turns = shared.config, shared.tokenizer, shared.turns
+        self._shared, settings = shared, shared.settings
+        self.config, self.tokenizer, self.turns = settings.config, settings.tokenizer, settings.turns
 
     async def generate(self, token_ids: list[int]) -> Completion:
         """One model turn continuing `token_ids` (at most gen.max_new_tokens tokens)."""
@@ -89,7 +94,7 @@ class EpisodeEnv:
     async def call_tool(self, text: str) -> ToolOutput | None:
         """Run the tool call of a model turn's `text`; None when the turn calls no tool. A
         malformed call or a failing tool gives an output whose text is the error."""
-        toolbox = self._shared.toolbox
+        toolbox = self._shared.settings.toolbox
         call = toolbox.parse(text)
         if call is None:
             return None
@@ -108,17 +113,8 @@ class EpisodeEnv:
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a model turn after `num_tokens` tokens stays within the model's context."""
-        return num_tokens + self._shared.max_new_tokens <= self._shared.max_context
-
-
-@dataclass
-class EpisodeSettings:
-    config: EpisodeConfig
-    toolbox: ToolBox
-    turns: TurnFormat
-    tokenizer: object
-    max_new_tokens: int
-    max_context: int
+        settings = self._shared.settings
+        return num_tokens + settings.max_new_tokens <= settings.max_context
 
 
 def run_episodes(episode: EpisodeFunction, prompts: list[list[int]], metadata: list[dict],
@@ -128,9 +124,7 @@ def run_episodes(episode: EpisodeFunction, prompts: list[list[int]], metadata: l
     the number of model turns in every generation round."""
     batcher = GenerationBatcher(generate_batch, len(prompts))
     # A semaphore binds to the loop that first waits on it: the one asyncio.run makes below.
-    shared = _Shared(settings.config, batcher, settings.toolbox, settings.turns,
-                     settings.tokenizer, asyncio.Semaphore(settings.config.max_parallel_tools),
-                     settings.max_new_tokens, settings.max_context)
+    shared = _Shared(settings, batcher, asyncio.Semaphore(settings.config.max_parallel_tools))
 
     async def run_one(index: int) -> EpisodeResult:
         try:

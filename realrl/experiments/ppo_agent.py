@@ -57,12 +57,17 @@ class PPOAgentConfig(PPOMathConfig):
             problems.append("`episode.name` is empty: ppo-agent needs an episode; use "
                             "`episode.name=tool_arithmetic`, or ppo-math for single turns.")
             return problems
-        try:
-            if self.episode.module:
+        if self.episode.module:
+            try:
                 import_user_module(self.episode.module)
+            except RegistryError as error:
+                return problems + [f"`episode.module={self.episode.module}` cannot be imported "
+                                   f"({error}); name a module path or a .py file that "
+                                   "registers the episode."]
+        try:
             get_episode(self.episode.name)
-        except (RegistryError, ValueError) as error:
-            problems.append(f"{error}".replace("--import", "`episode.module`"))
+        except ValueError as error:
+            problems.append(str(error))
         return problems
 
     def _actor_config(self) -> PPOActorConfig:
