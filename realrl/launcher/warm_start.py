@@ -97,9 +97,16 @@ TOOL_WARM_START_OVERRIDES = [
 ]
 
 
-def ensure_tool_warm_start() -> Path:
-    """ppo-agent's default actor: the cached one, else built now from `ensure_warm_start`'s
-    (a few minutes of SFT on 2 cores, done once; `python -m realrl.launcher.warm_start agent`)."""
+PACKAGED_AGENT = PACKAGED_ACTOR.with_name(f"default-agent-{TOOL_WARM_START_VERSION}")
+
+
+def ensure_tool_warm_start(use_packaged: bool = True) -> Path:
+    """ppo-agent's default actor: the packaged one (`realrl/assets/default-agent-v1`, the
+    result of `tool_build_command`), else the cached one, else built now from
+    `ensure_warm_start`'s (3,000 SFT steps, 4-10 minutes on 2 cores, done once;
+    `python -m realrl.launcher.warm_start agent` rebuilds it into the cache)."""
+    if use_packaged and (PACKAGED_AGENT / "config.json").is_file():
+        return PACKAGED_AGENT
     target = cache_dir() / f"default-agent-{TOOL_WARM_START_VERSION}"
     if (target / "config.json").is_file():
         return target
@@ -135,5 +142,5 @@ def build_command(build_root: Path) -> list[str]:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(levelname)s %(message)s")
-    print(ensure_tool_warm_start() if sys.argv[1:] == ["agent"]
+    print(ensure_tool_warm_start(use_packaged=False) if sys.argv[1:] == ["agent"]
           else ensure_warm_start(use_packaged=False))
