@@ -21,6 +21,11 @@ WARM_START_PATH_HELP = (
     "model after realrl's own `sft` on the built-in arithmetic data (the SFT warm start, "
     "realrl/assets/default-actor-v1)."
 )
+TOOL_WARM_START_PATH_HELP = (
+    "Local Hugging Face checkpoint directory; empty: ppo-agent's default actor, realrl's "
+    "default actor after `sft` on tool-call transcripts of the built-in multiplication task "
+    "(realrl/assets/default-agent-v1, docs/agentic.md)."
+)
 FRESH_MODEL_PATH_HELP = (
     "Local Hugging Face checkpoint directory; empty: the built-in tiny model (Qwen2 "
     "architecture, character tokenizer) with random weights: training starts from scratch."

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from realrl.api.config import help_field
 from realrl.api.episode_config import EpisodeConfig
-from realrl.api.experiment import BuiltinTask, DatasetConfig
+from realrl.api.experiment import TOOL_WARM_START_PATH_HELP, BuiltinTask, DatasetConfig
 from realrl.api.registry import RegistryError, import_user_module, register_experiment
 from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
 from realrl.episodes import builtin  # noqa: F401  (registers the built-in episodes)
@@ -32,6 +32,9 @@ class PPOAgentConfig(PPOMathConfig):
     """PPO-family RL on multi-turn, tool-using episodes (default: products with a calculator)."""
 
     default_model: ClassVar[str] = "tool"  # empty actor.path: the tool-call warm start
+    key_help: ClassVar[dict[str, str]] = {
+        **PPOMathConfig.key_help, "actor.path": TOOL_WARM_START_PATH_HELP,
+    }
 
     dataset: DatasetConfig = help_field(
         DatasetConfig(batch_size=8, builtin_train_size=1024,
