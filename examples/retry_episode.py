@@ -6,8 +6,8 @@ so they never enter the loss. Train it on the built-in task with
     python -m realrl.apps.quickstart ppo-agent episode.module=examples/retry_episode.py \\
         episode.name=retry_once
 
-The rule reward scores the model's tokens of both turns (the last number wins), so a right
-second answer earns the reward as a right first one does.
+The rule reward reads the model's turns joined by newlines and takes the last number, so a
+right second answer earns the reward as a right first one does.
 """
 
 from realrl.episodes import EpisodeEnv, EpisodeResult, Transcript, register_episode
