@@ -7,6 +7,7 @@ import torch
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.configs import RuleRewardConfig
+from realrl.interfaces.remote_reward import decode_prompts
 from realrl.interfaces.rule_reward import RuleRewardInterface
 from realrl.models.tokenizer import build_char_tokenizer
 from realrl.workers.model_worker import TokenizerOnlyEngine
@@ -134,3 +135,15 @@ def test_an_episodes_model_turns_are_scored_without_its_tool_outputs(printable_t
     engine = TokenizerOnlyEngine(tokenizer, [eos])
     rewards = RuleRewardInterface(RuleRewardConfig()).inference(engine, data, MicroBatchSpec())
     assert rewards.data.data["rewards"].tolist() == [1.0, 0.0]
+
+
+def test_a_reward_service_gets_an_episodes_prompt_without_its_tool_outputs(printable_tokenizer):
+    tokenizer = printable_tokenizer
+    prompt, turn, tool = (tokenizer.encode(text) for text in ("12*34=", "calc(12*34)", "out(408)"))
+    tokens = prompt + turn + tool
+    data = SequenceSample.from_tensors(
+        ids=["q0"], seqlens={key: [[len(tokens)]] for key in ("packed_input_ids", "prompt_mask")},
+        data={"packed_input_ids": torch.tensor(tokens), "prompt_mask": torch.tensor(
+            [True] * len(prompt) + [False] * len(turn) + [True] * len(tool))},
+    )
+    assert decode_prompts(tokenizer, data) == ["12*34="]
