@@ -60,3 +60,16 @@ def test_ppo_agent_runs_episodes_through_a_chat_template(chat_model, cli_env, tm
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["prompt"].endswith("<|im_start|>assistant\n") for s in samples)
     assert "actor_gen/tool_call_fraction" in read_metrics(run_dir)[0]
+
+
+def test_ppo_agent_runs_episodes_in_asynchronous_rollouts(tiny_model, cli_env, tmp_path):
+    # Generation runs ahead of training under the staleness bound; every rollout is still made
+    # of episodes (the tool metrics come from the episode path only).
+    result = run_cli(
+        "ppo-agent", [f"actor.path={tiny_model}", f"output_root={tmp_path}", *SMALL_AGENT[:-1],
+                      "n_devices_per_node=2", "rollout.mode=async"], cli_env,
+    )
+    assert result.returncode == 0, describe(result)
+    metrics = read_metrics(tmp_path / "ppo-agent" / "trial0")
+    assert [record["step"] for record in metrics] == [1, 2]
+    assert all("actor_gen/turns_per_episode" in record for record in metrics), metrics
