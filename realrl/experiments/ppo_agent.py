@@ -56,6 +56,12 @@ class PPOAgentConfig(PPOMathConfig):
 
     def validate(self) -> list[str]:
         problems = super().validate() + self.episode.validate("episode")
+        if self.ppo.overlong_buffer_len > 0:
+            problems.append(
+                f"`ppo.overlong_buffer_len={self.ppo.overlong_buffer_len}`: length shaping "
+                "compares the model's tokens of all of an episode's turns with "
+                "`gen.max_new_tokens`, a per-turn limit in ppo-agent; set "
+                "ppo.overlong_buffer_len=0.")
         if not self.episode.enabled:
             problems.append("`episode.name` is empty: ppo-agent needs an episode; use "
                             "`episode.name=tool_arithmetic`, or ppo-math for single turns.")
