@@ -21,6 +21,11 @@ WARM_START_PATH_HELP = (
     "model after realrl's own `sft` on the built-in arithmetic data (the SFT warm start, "
     "realrl/assets/default-actor-v1)."
 )
+TOOL_WARM_START_PATH_HELP = (
+    "Local Hugging Face checkpoint directory; empty: ppo-agent's default actor, realrl's "
+    "default actor after `sft` on tool-call transcripts of the built-in multiplication task "
+    "(realrl/assets/default-agent-v1, docs/agentic.md)."
+)
 FRESH_MODEL_PATH_HELP = (
     "Local Hugging Face checkpoint directory; empty: the built-in tiny model (Qwen2 "
     "architecture, character tokenizer) with random weights: training starts from scratch."
@@ -194,6 +199,11 @@ class BuiltinSplit(str, enum.Enum):
     eval = "eval"
 
 
+class BuiltinTask(str, enum.Enum):
+    arithmetic = "arithmetic"  # one- and two-digit + and -: the single-turn task
+    multiplication = "multiplication"  # two- and three-digit products: the agentic task
+
+
 @dataclass
 class DatasetConfig:
     path: str = help_field("", "JSONL file; empty: the built-in synthetic arithmetic data.")
@@ -216,6 +226,11 @@ class DatasetConfig:
         BuiltinSplit.train, "With an empty path: train (the first builtin_train_size problems) "
         "or eval (256 other problems of the same pool, which no training run reads: "
         "`gen dataset.builtin_split=eval` evaluates a trained policy on problems it never saw)."
+    )
+    builtin_task: BuiltinTask = help_field(
+        BuiltinTask.arithmetic, "With an empty path: arithmetic (one- and two-digit sums and "
+        "differences) or multiplication (two- and three-digit products, where a calculator "
+        "tool pays: ppo-agent's task, docs/agentic.md)."
     )
     apply_chat_template: bool | None = help_field(
         None, "Format prompts with the tokenizer's chat template: each prompt becomes one user "

@@ -137,6 +137,16 @@ class PPOMathConfig(BaseExperimentConfig):
         return [generate, *reward_mfcs(self.reward, self.dataset.batch_size,
                                        self._reward_microbatches(), greedy, self.rm.offload)]
 
+    def _actor_config(self) -> PPOActorConfig:
+        """The actor interface's config of actor_gen and actor_train (ppo-agent adds its
+        episode)."""
+        return PPOActorConfig(
+            ppo=self.ppo,
+            generation=self.gen,
+            group_size=self.group_size,
+            generation_size=self.generation_size or self.group_size,
+        )
+
     def _reward_microbatches(self):
         return {name: getattr(self, name).microbatch_spec()
                 for name in ("rew_inf", "rm_inf", "remote_inf", "reward_sum")}
@@ -247,12 +257,7 @@ class PPOMathConfig(BaseExperimentConfig):
             gen_outputs += (WEIGHT_VERSIONS_KEY,)
             if self.ppo.decoupled_loss and self.ppo.prox_logp == "interpolate":
                 train_inputs += (WEIGHT_VERSIONS_KEY,)
-        actor_config = PPOActorConfig(
-            ppo=self.ppo,
-            generation=self.gen,
-            group_size=self.group_size,
-            generation_size=self.generation_size or self.group_size,
-        )
+        actor_config = self._actor_config()
 
         def mfc(name, role, kind, interface, config, inputs, outputs, **extra):
             return MFCDef(name=name, model_role=role, kind=kind, interface=interface,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from realrl.api.episode_config import EpisodeConfig
 from realrl.api.reward_config import ModelRewardConfig, RemoteRewardConfig, RuleRewardConfig
 from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
 
@@ -19,6 +20,10 @@ class PPOActorConfig:
     generation: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     group_size: int = 1  # responses kept per prompt
     generation_size: int = 1  # responses generated per prompt (best-of-n when > group_size)
+    # Multi-turn episodes instead of one response per prompt (realrl.episodes); the dataset's
+    # chat-template setting decides how tool outputs join the sequence.
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    apply_chat_template: bool | None = None
 
 
 @dataclass

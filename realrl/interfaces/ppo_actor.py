@@ -30,11 +30,13 @@ from realrl.algo.losses import entropy_bonus_loss, ppo_policy_loss
 from realrl.algo.offpolicy import behaviour_importance_weights, interpolated_proximal_logprobs
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
+from realrl.episodes.rollout import EpisodeRollout
 from realrl.interfaces.base import MFCResult
 from realrl.interfaces.chunked_generation import ChunkedGenerations, ChunkRequest
 from realrl.interfaces.common import (
     DistributedMeans,
     keeps_forward,
+    loss_mask_from_prompt_mask,
     optimizer_step_stats,
     reduction_device,
     require_engine,
@@ -65,6 +67,7 @@ class PPOActorInterface:
         self.norm_length = config.ppo.loss_agg_norm_length or config.generation.max_new_tokens
         self._warned_best_of_n = False
         self.chunked = ChunkedGenerations()  # generations in flight, by session
+        self._episodes: EpisodeRollout | None = None  # built on the first episode rollout
 
     def optimizer_steps_per_call(self) -> int:
         return self.ppo.num_epochs * self.ppo.num_minibatches
@@ -87,6 +90,8 @@ class PPOActorInterface:
                 config.group_size,
             )
             self._warned_best_of_n = True
+        if config.episode.enabled:
+            return self._episode_rollout(engine, data)
         started = time.perf_counter()
         output = generate(
             engine.module,
@@ -104,6 +109,8 @@ class PPOActorInterface:
         holds ``packed_weight_versions``, the version of the weights that chose each token."""
         engine = require_engine(engine, "ppo_actor", "generate")
         config = self.config
+        if config.episode.enabled:
+            return self._episode_chunk(engine, data, request)
         finished = self.chunked.run(
             engine.module, data, request,
             lambda: sampling_config(config.generation, config.generation_size, engine),
@@ -113,6 +120,26 @@ class PPOActorInterface:
         output, versions = finished.generation.output()
         result = self._rollout_result(finished.prompts, output, finished.compute_s, versions)
         result.stats["weight_updates"] = float(finished.generation.weight_updates)
+        return result
+
+    def _episode_chunk(self, engine, data: SequenceSample | None,
+                       request: ChunkRequest) -> MFCResult:
+        """Episodes are not interruptible: the first chunk runs them whole, on one weight
+        version, which every model token records (-1 where the next token is not the model's,
+        as in ``_rollout_sample``)."""
+        if data is None:
+            raise ValueError(
+                f"chunked generation: episode session {request.session!r} already finished on "
+                "this worker (episodes run whole in their first chunk)")
+        result = self._episode_rollout(engine, data)
+        rollout = result.data
+        model_next = loss_mask_from_prompt_mask(rollout.data["prompt_mask"],
+                                                rollout.cu_seqlens("prompt_mask"))
+        versions = torch.where(model_next, request.version, -1).long()
+        rollout.update_(SequenceSample.from_tensors(
+            ids=rollout.ids, seqlens={"packed_weight_versions": rollout.seqlens["packed_logprobs"]},
+            data={"packed_weight_versions": versions}))
+        result.stats["weight_updates"] = 0.0
         return result
 
     def _rollout_result(self, data: SequenceSample, output, elapsed_s: float,
@@ -126,6 +153,17 @@ class PPOActorInterface:
             "no_eos_fraction": float(output.no_eos.float().mean()),
             "generated_tokens_per_s": float(response_lens.sum()) / max(elapsed_s, 1e-9),
         }
+        return MFCResult(data=rollout, stats=stats)
+
+    def _episode_rollout(self, engine, data: SequenceSample) -> MFCResult:
+        """``episode.name`` set: one multi-turn episode per response (`realrl.episodes`)."""
+        config = self.config
+        if self._episodes is None:
+            self._episodes = EpisodeRollout(config.episode, config.apply_chat_template,
+                                            engine.tokenizer)
+        sampling = sampling_config(config.generation, 1, engine)
+        rollout, stats = self._episodes.run(engine, data, sampling, config.generation_size,
+                                            config.group_size)
         return MFCResult(data=rollout, stats=stats)
 
     # ------------------------------------------------------------------ inference

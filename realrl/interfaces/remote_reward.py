@@ -76,12 +76,14 @@ class RemoteRewardInterface:
 
 
 def decode_prompts(tokenizer, data: SequenceSample) -> list[str]:
-    """The prompt text of each sequence, special tokens kept (as the policy read it)."""
+    """The prompt text of each sequence, special tokens kept (as the policy read it): its
+    leading `prompt_mask` tokens (an episode's later tool outputs are not the prompt)."""
     packed_input_ids = data.data["packed_input_ids"].cpu()  # [total_tokens]
     prompt_mask = data.data["prompt_mask"].cpu().bool()  # [total_tokens]
     lengths = data.seqlens_of("packed_input_ids")
     return [
-        tokenizer.decode(tokens[is_prompt].tolist(), skip_special_tokens=False)
+        tokenizer.decode(tokens[: int(is_prompt.long().cumprod(0).sum())].tolist(),
+                         skip_special_tokens=False)
         for tokens, is_prompt in zip(packed_input_ids.split(lengths), prompt_mask.split(lengths))
     ]
 

@@ -119,15 +119,31 @@ def _metadata(data: SequenceSample, name: str, index: int):
 
 
 def decode_responses(tokenizer, data: SequenceSample, eos_ids: set[int]) -> list[str]:
-    """The text of each sequence's response: tokens after the prompt, a final EOS (any of
-    `eos_ids`) dropped."""
+    """The text of each sequence's response: its model-written tokens (`prompt_mask` False), a
+    final EOS (any of `eos_ids`) dropped. The model turns of an episode (`realrl.episodes`) are
+    decoded one by one and joined by newlines, so that the numbers of two turns never run
+    together; the tool outputs between them are not the model's and are left out."""
     packed_input_ids = data.data["packed_input_ids"].cpu()  # [total_tokens]
     prompt_mask = data.data["prompt_mask"].cpu().bool()  # [total_tokens]
     lengths = data.seqlens_of("packed_input_ids")
     completions = []
     for tokens, is_prompt in zip(packed_input_ids.split(lengths), prompt_mask.split(lengths)):
-        response = tokens[~is_prompt].tolist()
-        if response and response[-1] in eos_ids:
-            response = response[:-1]
-        completions.append(tokenizer.decode(response, skip_special_tokens=True))
+        turns = _model_turns(tokens.tolist(), is_prompt.tolist())
+        if turns and turns[-1][-1] in eos_ids:
+            turns[-1] = turns[-1][:-1]
+        completions.append("\n".join(tokenizer.decode(turn, skip_special_tokens=True)
+                                      for turn in turns))
     return completions
+
+
+def _model_turns(tokens: list[int], is_prompt: list[bool]) -> list[list[int]]:
+    """The runs of consecutive model tokens of one sequence, in order."""
+    turns: list[list[int]] = []
+    previous_is_prompt = True
+    for token, prompt in zip(tokens, is_prompt):
+        if not prompt:
+            if previous_is_prompt:
+                turns.append([])
+            turns[-1].append(token)
+        previous_is_prompt = prompt
+    return turns

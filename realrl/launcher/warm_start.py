@@ -39,10 +39,13 @@ def cache_dir() -> Path:
 
 
 def default_model_path(config, section: str) -> Path:
-    if getattr(config, "default_model", "warm") == "fresh":
+    default_model = getattr(config, "default_model", "warm")
+    if default_model == "fresh":
         from realrl.launcher.defaults import fresh_default_model  # imports torch
 
         return fresh_default_model(cache_dir() / "default-fresh")
+    if default_model == "tool":
+        return ensure_tool_warm_start()
     return ensure_warm_start()
 
 
@@ -62,10 +65,15 @@ def ensure_warm_start(use_packaged: bool = True) -> Path:
     if (target / "config.json").is_file():
         return target
     build_root = cache_dir() / "build"
-    run_dir = build_root / "default-actor" / WARM_START_VERSION
     logger.info("building the default actor (SFT warm start) into %s; done once", target)
-    if subprocess.run(build_command(build_root)).returncode != 0:
-        raise RuntimeError(f"building the default actor failed; see {run_dir}/logs")
+    _build(build_command(build_root), build_root / "default-actor" / WARM_START_VERSION, target)
+    return target
+
+
+def _build(command: list[str], run_dir: Path, target: Path) -> None:
+    """Run an `sft` command and install its last checkpoint's model as `target`."""
+    if subprocess.run(command).returncode != 0:
+        raise RuntimeError(f"building {target.name} failed; see {run_dir}/logs")
     from realrl.workers.recovery import latest_complete_checkpoint
 
     checkpoint = latest_complete_checkpoint(run_dir)
@@ -74,7 +82,54 @@ def ensure_warm_start(use_packaged: bool = True) -> Path:
     shutil.copytree(checkpoint / "default", staging,
                     ignore=shutil.ignore_patterns("optimizer*.pt"))
     staging.rename(target)
+
+
+# The default model of ppo-agent: the default actor after SFT on transcripts of the built-in
+# multiplication task, TOOL_FRACTION of them solved with a tool call
+# (`realrl.datasets.tool_arithmetic.as_tool_sft_records`), so that it knows the call format
+# and calls a tool on about that fraction of problems.
+TOOL_WARM_START_VERSION = "v1"
+TOOL_FRACTION = 0.5
+TOOL_WARM_START_OVERRIDES = [
+    "total_train_steps=3000", "dataset.batch_size=64", "model.optimizer.lr=3e-3",
+    "model.optimizer.lr_scheduler=cosine", "model.optimizer.warmup_steps_proportion=0.05",
+    "wandb.mode=disabled", "tensorboard=false", "seed=1", "n_devices_per_node=1",
+]
+
+
+PACKAGED_AGENT = PACKAGED_ACTOR.with_name(f"default-agent-{TOOL_WARM_START_VERSION}")
+
+
+def ensure_tool_warm_start(use_packaged: bool = True) -> Path:
+    """ppo-agent's default actor: the packaged one (`realrl/assets/default-agent-v1`, the
+    result of `tool_build_command`), else the cached one, else built now from
+    `ensure_warm_start`'s (3,000 SFT steps, 4-10 minutes on 2 cores, done once;
+    `python -m realrl.launcher.warm_start agent` rebuilds it into the cache)."""
+    if use_packaged and (PACKAGED_AGENT / "config.json").is_file():
+        return PACKAGED_AGENT
+    target = cache_dir() / f"default-agent-{TOOL_WARM_START_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    build_root = cache_dir() / "build"
+    logger.info("building ppo-agent's default actor (SFT on tool calls) into %s; done once",
+                target)
+    _build(tool_build_command(build_root, ensure_warm_start()),
+           build_root / "default-agent" / TOOL_WARM_START_VERSION, target)
     return target
+
+
+def tool_build_command(build_root: Path, base_model: Path) -> list[str]:
+    """Write the SFT transcripts into `build_root` and return the command that trains on them,
+    from `base_model`, with its run directory `<build_root>/default-agent/<version>`."""
+    from realrl.datasets.jsonl import write_jsonl
+    from realrl.datasets.tool_arithmetic import as_tool_sft_records, make_multiplication_splits
+
+    train, _ = make_multiplication_splits(4096, 256, seed=0)  # the built-in task's pool
+    data = write_jsonl(as_tool_sft_records(train, seed=1, tool_fraction=TOOL_FRACTION),
+                       build_root / f"agent-sft-{TOOL_WARM_START_VERSION}.jsonl")
+    return [sys.executable, "-m", "realrl.apps.quickstart", "sft", f"output_root={build_root}",
+            "experiment_name=default-agent", f"trial_name={TOOL_WARM_START_VERSION}",
+            f"model.path={base_model}", f"dataset.path={data}", *TOOL_WARM_START_OVERRIDES]
 
 
 def build_command(build_root: Path) -> list[str]:
@@ -87,4 +142,5 @@ def build_command(build_root: Path) -> list[str]:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(levelname)s %(message)s")
-    print(ensure_warm_start(use_packaged=False))
+    print(ensure_tool_warm_start(use_packaged=False) if sys.argv[1:] == ["agent"]
+          else ensure_warm_start(use_packaged=False))

@@ -68,6 +68,16 @@ class CodeResult:
     statuses: list[str] = field(default_factory=list)
 
 
+@dataclass
+class ProgramRun:
+    """Outcome of `CodeSandbox.run_program`: "ok" or a status of `CodeResult.statuses`, and
+    the program's (capped) output."""
+
+    status: str
+    stdout: str
+    stderr: str
+
+
 def extract_code(completion: str) -> str | None:
     """The body of the last fenced ```python block of `completion` (or last plain ``` block)."""
     blocks = _CODE_BLOCK_PATTERN.findall(completion)
@@ -181,21 +191,22 @@ class CodeSandbox:
         with ThreadPoolExecutor(max_parallel, thread_name_prefix="code-sandbox") as pool:
             return list(pool.map(run, zip(completions, input_outputs)))
 
+    def run_program(self, program: str, stdin_text: str = "") -> ProgramRun:
+        """Run `program` once as ``__main__`` with `stdin_text` on its standard input, under the
+        same isolation and limits as a test case: the python tool of agentic episodes
+        (`realrl.episodes.tools`). Its output is cut at `max_file_bytes`."""
+        exit_code, stdout, stderr = self._execute(program, stdin_text, ["stdio"])
+        return ProgramRun(_failure_status(exit_code, stderr) or "ok", stdout, stderr)
+
     def _run_one(self, program: str, test_input, expected, function_name: str | None) -> str:
         if function_name:
             stdin_text, argv_tail = _call_arguments(test_input), ["call", function_name]
         else:
             stdin_text, argv_tail = str(test_input), ["stdio"]
         exit_code, stdout, stderr = self._execute(program, stdin_text, argv_tail)
-        if exit_code >= 128:
-            return _SIGNAL_STATUS.get(
-                exit_code - 128, "memory" if "MemoryError" in stderr else "error"
-            )
-        if exit_code == MEMORY_ERROR_EXIT_CODE or (exit_code != 0 and "MemoryError" in stderr):
-            return "memory"
-        if exit_code != 0:
-            # Python ignores SIGXFSZ, so an over-long write fails with EFBIG instead.
-            return "output_limit" if "[Errno 27]" in stderr else "error"
+        failure = _failure_status(exit_code, stderr)
+        if failure is not None:
+            return failure
         if not function_name:
             return "ok" if _outputs_match(stdout, expected) else "wrong"
         if RESULT_MARKER not in stdout:
@@ -280,6 +291,19 @@ class CodeSandbox:
         if not self.privileged:
             _kill_group(process)  # stragglers left in the process group (no PID namespace)
         return process.returncode if process.returncode >= 0 else 128 - process.returncode
+
+
+def _failure_status(exit_code: int, stderr: str) -> str | None:
+    """The status of a run that failed ("timeout", "memory", "output_limit", "error"), or
+    None for exit code 0."""
+    if exit_code >= 128:
+        return _SIGNAL_STATUS.get(exit_code - 128, "memory" if "MemoryError" in stderr else "error")
+    if exit_code == MEMORY_ERROR_EXIT_CODE or (exit_code != 0 and "MemoryError" in stderr):
+        return "memory"
+    if exit_code != 0:
+        # Python ignores SIGXFSZ, so an over-long write fails with EFBIG instead.
+        return "output_limit" if "[Errno 27]" in stderr else "error"
+    return None
 
 
 def _kill_group(process: subprocess.Popen) -> None:

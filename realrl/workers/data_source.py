@@ -15,6 +15,7 @@ from realrl.api.data import SequenceSample
 from realrl.api.experiment import (
     BUILTIN_EVAL_SIZE,
     BuiltinSplit,
+    BuiltinTask,
     DatasetConfig,
     DatasetKind,
     ModelKind,
@@ -41,6 +42,7 @@ from realrl.datasets.records import (
     load_prompt_records,
     load_sft_records,
 )
+from realrl.datasets.tool_arithmetic import make_multiplication_splits
 from realrl.models.tokenizer import load_tokenizer, resolve_chat_template
 from realrl.workers.run_plan import RunPlan
 
@@ -52,11 +54,16 @@ BUILTIN_MAX_DIGITS = 2  # one- and two-digit operands: learnable by the tiny def
 
 
 def builtin_records(kind: DatasetKind, split: BuiltinSplit = BuiltinSplit.train,
-                    train_size: int = BUILTIN_TRAIN_SIZE) -> list[dict]:
-    """The built-in arithmetic records; `train_size` takes the first problems of the fixed pool."""
-    train, evaluation = make_arithmetic_splits(BUILTIN_TRAIN_SIZE, BUILTIN_EVAL_SIZE,
-                                               seed=BUILTIN_DATA_SEED,
-                                               max_digits=BUILTIN_MAX_DIGITS)
+                    train_size: int = BUILTIN_TRAIN_SIZE,
+                    task: BuiltinTask = BuiltinTask.arithmetic) -> list[dict]:
+    """The built-in records of `task`; `train_size` takes the first problems of the fixed pool."""
+    if task == BuiltinTask.multiplication:
+        train, evaluation = make_multiplication_splits(BUILTIN_TRAIN_SIZE, BUILTIN_EVAL_SIZE,
+                                                       seed=BUILTIN_DATA_SEED)
+    else:
+        train, evaluation = make_arithmetic_splits(BUILTIN_TRAIN_SIZE, BUILTIN_EVAL_SIZE,
+                                                   seed=BUILTIN_DATA_SEED,
+                                                   max_digits=BUILTIN_MAX_DIGITS)
     records = train[:train_size] if split == BuiltinSplit.train else evaluation
     if kind == DatasetKind.sft:
         return as_sft_records(records)
@@ -70,7 +77,8 @@ def builtin_records(kind: DatasetKind, split: BuiltinSplit = BuiltinSplit.train,
 def load_records(kind: DatasetKind, settings: DatasetConfig) -> list[dict]:
     """Validated records: the file's (errors name file and line) or the built-in ones."""
     if not settings.path:
-        return builtin_records(kind, settings.builtin_split, settings.builtin_train_size)
+        return builtin_records(kind, settings.builtin_split, settings.builtin_train_size,
+                               settings.builtin_task)
     loader = {DatasetKind.prompt: load_prompt_records, DatasetKind.sft: load_sft_records,
               DatasetKind.paired: load_paired_records, DatasetKind.chat: load_chat_records}[kind]
     return loader(settings.path)
@@ -94,7 +102,8 @@ class DataSource:
     def __init__(self, plan: RunPlan, tokenizer):
         settings = plan.dataset
         records = load_records(plan.dataset_kind, settings)
-        source = settings.path or f"built-in arithmetic data ({settings.builtin_split.value} split)"
+        source = settings.path or (f"built-in {settings.builtin_task.value} data "
+                                   f"({settings.builtin_split.value} split)")
         chat = resolve_chat_template(settings.apply_chat_template, tokenizer,
                                      tokenizer.name_or_path)
         if plan.dataset_kind in (DatasetKind.prompt, DatasetKind.chat):

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 # a terminal shows the line cut to its width.
 SUMMARY_KEYS = (
     ("reward/task_mean", "reward"),
+    ("actor_gen/tool_call_fraction", "tools"),
     ("actor_train/kl_to_ref", "kl"),
     ("actor_gen/response_length", "len"),
     ("genDefault/response_length", "len"),
@@ -31,8 +32,8 @@ SUMMARY_KEYS = (
     ("actor_train/loss", "loss"),
     ("actor_train/clip_fraction", "clip"),
 )
-PLOT_KEYS = ("reward/task_mean", "actor_train/kl_to_ref", "actor_gen/response_length",
-             "timing/step_s")
+PLOT_KEYS = ("reward/task_mean", "actor_gen/tool_call_fraction", "actor_train/kl_to_ref",
+             "actor_gen/response_length", "timing/step_s")
 _PROGRESS = re.compile(r"^step (\d+)/(\d+) \| ")
 
 

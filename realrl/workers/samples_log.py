@@ -99,9 +99,12 @@ def sample_rows(data: SequenceSample, tokenizer, count: int,
         response = first_response[i] + j
         span = slice(token_offsets[response], token_offsets[response + 1])
         tokens, in_prompt = token_ids[span], prompt_mask[span]
+        # The prompt is the leading masked run; an episode's later masked tokens (tool
+        # outputs, `realrl.episodes`) stay in the response, in order.
+        prompt_len = int(in_prompt.long().cumprod(0).sum())
         row = {"query_id": data.ids[i],
-               "prompt": tokenizer.decode(tokens[in_prompt].tolist()),
-               "response": tokenizer.decode(tokens[~in_prompt].tolist())}
+               "prompt": tokenizer.decode(tokens[:prompt_len].tolist()),
+               "response": tokenizer.decode(tokens[prompt_len:].tolist())}
         if reward_key in scalar_keys:
             row["reward"] = data.data[reward_key][response].item()
         row |= {key: data.data[key][response].item() for key in scalar_keys if key != reward_key}

@@ -13,11 +13,16 @@ from omegaconf import OmegaConf
 import realrl.experiments  # noqa: F401  (registers the built-in experiments)
 from realrl.api import environment
 from realrl.api.config import iter_fields, resolve_config
-from realrl.api.experiment import FRESH_MODEL_PATH_HELP, WARM_START_PATH_HELP, ModelRoleConfig
+from realrl.api.experiment import (
+    FRESH_MODEL_PATH_HELP,
+    TOOL_WARM_START_PATH_HELP,
+    WARM_START_PATH_HELP,
+    ModelRoleConfig,
+)
 from realrl.api.registry import get_experiment, list_experiments
 from realrl.apps.quickstart import main
 from realrl.launcher.preflight import resolve_model_paths
-from realrl.launcher.warm_start import PACKAGED_ACTOR
+from realrl.launcher.warm_start import PACKAGED_ACTOR, PACKAGED_AGENT
 
 EXPERIMENTS = [entry.name for entry in list_experiments()]
 
@@ -97,6 +102,8 @@ def test_model_path_help_says_what_an_empty_path_loads(experiment, tmp_path, mon
         text, loaded = help_texts[f"{role}.path"], Path(getattr(config, role).path)
         if text == WARM_START_PATH_HELP:
             assert loaded == PACKAGED_ACTOR, role
+        elif text == TOOL_WARM_START_PATH_HELP:
+            assert loaded == PACKAGED_AGENT, role
         elif text == FRESH_MODEL_PATH_HELP:
             assert loaded == tmp_path / "default-fresh", role
         else:

@@ -1,6 +1,6 @@
 import pytest
 
-from realrl.api.config import resolve_config
+from realrl.api.config import ConfigError, resolve_config
 from realrl.api.dfg import ParamReallocHook
 from realrl.api.registry import get_experiment
 from realrl.experiments.ppo_math import PPOMathConfig
@@ -67,3 +67,25 @@ def test_remax_adds_a_greedy_rollout_and_its_reward_as_the_baseline():
     assert graph.parents["rew_inf_greedy"] == ["actor_gen_greedy"]
     assert "baseline_rewards" in graph.mfcs["actor_train"].input_keys
     assert graph.mfcs["actor_gen_greedy"].interface_config.generation.greedy
+
+
+def test_ppo_agent_is_ppo_maths_grpo_graph_with_episodes_in_actor_gen():
+    entry = get_experiment("ppo-agent")
+    config = resolve_config(entry.config_class, [], defaults={"experiment_name": "ppo-agent"})
+    assert config.validate() == []
+    graph = config.build().graph()
+    assert set(graph.mfcs) == {"actor_gen", "rew_inf", "actor_train"}
+    assert graph.mfcs["actor_gen"].interface_config.episode.name == "tool_arithmetic"
+
+
+@pytest.mark.parametrize("overrides,problem", [
+    (["episode.name=no_such_episode"], "`episode.name=no_such_episode` is not a registered"),
+    (["episode.module=no/such/file.py"], "`episode.module=no/such/file.py` cannot be imported"),
+    (["episode.tools=[calc,shell]"], "names unknown tools ['shell']"),
+    (["ppo.overlong_buffer_len=4"], "`ppo.overlong_buffer_len=4`: length shaping"),
+])
+def test_ppo_agent_refuses_what_episodes_cannot_run(overrides, problem):
+    entry = get_experiment("ppo-agent")
+    with pytest.raises(ConfigError) as caught:
+        resolve_config(entry.config_class, overrides, defaults={"experiment_name": "ppo-agent"})
+    assert any(problem in text for text in caught.value.problems), caught.value.problems

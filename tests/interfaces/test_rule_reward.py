@@ -7,6 +7,7 @@ import torch
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.configs import RuleRewardConfig
+from realrl.interfaces.remote_reward import decode_prompts
 from realrl.interfaces.rule_reward import RuleRewardInterface
 from realrl.models.tokenizer import build_char_tokenizer
 from realrl.workers.model_worker import TokenizerOnlyEngine
@@ -110,3 +111,39 @@ def test_rule_reward_ends_a_response_at_every_eos_id_of_the_checkpoint(printable
     finally:
         interface.close()
     assert result.data.data["rewards"].tolist() == [1.0]
+
+
+def test_an_episodes_model_turns_are_scored_without_its_tool_outputs(printable_tokenizer):
+    tokenizer = printable_tokenizer
+    eos = tokenizer.eos_token_id
+    prompt, first, tool, second = (tokenizer.encode(text) for text in
+                                   ("12*34=", "31", "out(408)", "408"))
+    # prompt | model "31<eos>" | tool "out(408)" | model "408<eos>": the turns' numbers must not
+    # run together ("31408"), and the tool's 408 alone must not count as the answer.
+    segments = [(prompt, True), (first + [eos], False), (tool, True), (second + [eos], False)]
+    tokens = [t for ids, _ in segments for t in ids]
+    mask = [flag for ids, flag in segments for _ in ids]
+    only_tool = prompt + first + [eos] + tool
+    data = SequenceSample.from_tensors(
+        ids=["q0"], seqlens={key: [[len(tokens), len(only_tool)]]
+                             for key in ("packed_input_ids", "prompt_mask")},
+        data={"packed_input_ids": torch.tensor(tokens + only_tool),
+              "prompt_mask": torch.tensor(mask + [True] * len(prompt) + [False] * (len(first) + 1)
+                                          + [True] * len(tool))},
+        metadata={"answer": ["408"], "task": ["math"]},
+    )
+    engine = TokenizerOnlyEngine(tokenizer, [eos])
+    rewards = RuleRewardInterface(RuleRewardConfig()).inference(engine, data, MicroBatchSpec())
+    assert rewards.data.data["rewards"].tolist() == [1.0, 0.0]
+
+
+def test_a_reward_service_gets_an_episodes_prompt_without_its_tool_outputs(printable_tokenizer):
+    tokenizer = printable_tokenizer
+    prompt, turn, tool = (tokenizer.encode(text) for text in ("12*34=", "calc(12*34)", "out(408)"))
+    tokens = prompt + turn + tool
+    data = SequenceSample.from_tensors(
+        ids=["q0"], seqlens={key: [[len(tokens)]] for key in ("packed_input_ids", "prompt_mask")},
+        data={"packed_input_ids": torch.tensor(tokens), "prompt_mask": torch.tensor(
+            [True] * len(prompt) + [False] * len(turn) + [True] * len(tool))},
+    )
+    assert decode_prompts(tokenizer, data) == ["12*34="]

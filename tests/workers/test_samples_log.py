@@ -107,6 +107,24 @@ def test_samples_take_each_prompts_first_response_first_with_every_per_response_
     assert len(sample_rows(data, tokenizer, 10, "rewards")) == 4
 
 
+def test_an_episodes_tool_output_stays_in_its_response_in_order(tokenizer):
+    data = rollout(tokenizer, ["12*34="], [["calc(12*34)<eos>"]])
+    tool_ids = encode(tokenizer, "out(408)")
+    answer_ids = encode(tokenizer, "408<eos>")
+    length = data.seqlens["packed_input_ids"][0][0] + len(tool_ids) + len(answer_ids)
+    data = SequenceSample.from_tensors(
+        ids=data.ids, seqlens={key: [[length]] for key in ("packed_input_ids", "prompt_mask")}
+        | {"seq_no_eos_mask": [[1]]},
+        data={"packed_input_ids": torch.cat([data.data["packed_input_ids"],
+                                             torch.tensor(tool_ids + answer_ids)]),
+              "prompt_mask": torch.cat([data.data["prompt_mask"], torch.tensor(
+                  [True] * len(tool_ids) + [False] * len(answer_ids))]),
+              "seq_no_eos_mask": data.data["seq_no_eos_mask"]},
+        metadata=data.metadata)
+    row = sample_rows(data, tokenizer, 1, None)[0]
+    assert (row["prompt"], row["response"]) == ("12*34=", "calc(12*34)<eos>out(408)408<eos>")
+
+
 def test_samples_come_only_from_graphs_that_generate_rollouts():
     gen = mfc("actor_gen", MFCKind.generate, outputs=("packed_input_ids", "prompt_mask"))
     assert generates_rollouts([gen])
