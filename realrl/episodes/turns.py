@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import logging
 
-from realrl.models.tokenizer import TextFormat
-
 logger = logging.getLogger(__name__)
 
 RAW_TOOL_OUTPUT = "out({output})"
@@ -28,6 +26,10 @@ _MARKER = "realrl-episode-marker"
 
 class TurnFormat:
     def __init__(self, tokenizer, chat_template: bool) -> None:
+        # Imported here: `realrl.models` imports torch, and the launcher imports the episodes
+        # (through ppo-agent's config) without it (tests/launcher/test_launcher_startup.py).
+        from realrl.models.tokenizer import TextFormat
+
         self.tokenizer, self.chat_template = tokenizer, chat_template
         text_format = TextFormat(tokenizer, chat_template)
         # The token a model turn ends with: the template's end of turn, or EOS.
