@@ -11,13 +11,17 @@ when the response's answer equals ``metadata["answer"]``, else 0; an item withou
 scores 0. Replace `score` with a call to your own reward model or judge.
 
 A malformed request gets HTTP 400 with the reason, and the client does not retry it; an error
-inside `score` gets HTTP 500, which the client retries with back-off.
+inside `score` gets HTTP 500, which the client retries with back-off. With ``--token-env NAME``
+it answers only requests carrying ``Authorization: Bearer $NAME`` (HTTP 401 otherwise); start
+the run with the same token in a variable named by ``reward.remote.token_env``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -46,8 +50,14 @@ def score_request(body: bytes) -> list[float]:
 
 
 class RewardHandler(BaseHTTPRequestHandler):
+    token: str | None = None  # --token-env's value: requests must carry it
+
     def do_POST(self) -> None:  # noqa: N802 (the name http.server calls)
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        expected = f"Bearer {self.token}" if self.token else None
+        if expected and not hmac.compare_digest(self.headers.get("Authorization", ""), expected):
+            self.answer(401, {"error": "missing or wrong Authorization: Bearer token"})
+            return
         try:
             rewards = score_request(body)
         except ValueError as error:
@@ -74,7 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0: any free port")
+    parser.add_argument("--token-env", default="",
+                        help="environment variable holding the token requests must carry")
     args = parser.parse_args(argv)
+    if args.token_env:
+        RewardHandler.token = os.environ.get(args.token_env) or parser.error(
+            f"--token-env {args.token_env}: ${args.token_env} is not set or empty")
     server = ThreadingHTTPServer((args.host, args.port), RewardHandler)
     host, port = server.server_address[:2]
     print(f"reward server listening on http://{host}:{port}/score", flush=True)

@@ -88,6 +88,11 @@ class RemoteRewardConfig:
         None, "Split a call's responses into requests of at most this many, sent one after "
         "another; null: one request per call and data-parallel rank."
     )
+    token_env: str = help_field(
+        "", "Name of an environment variable holding a token for the service, sent as "
+        "`Authorization: Bearer <token>` (the token itself never enters the config or the run "
+        "directory); empty: no Authorization header."
+    )
 
 
 @dataclass
@@ -155,6 +160,10 @@ def _remote_problems(remote: RemoteRewardConfig, prefix: str) -> list[str]:
         problems.append(f"`{prefix}.max_retries={remote.max_retries}` must be >= 0.")
     if remote.backoff_s < 0:
         problems.append(f"`{prefix}.backoff_s={remote.backoff_s}` must be >= 0.")
+    if remote.token_env and not remote.token_env.isidentifier():
+        problems.append(f"`{prefix}.token_env={remote.token_env!r}` must be the NAME of an "
+                        "environment variable holding the token, e.g. REWARD_API_TOKEN, not "
+                        "the token itself.")
     if remote.max_items_per_request is not None and remote.max_items_per_request < 1:
         problems.append(f"`{prefix}.max_items_per_request={remote.max_items_per_request}` must "
                         "be >= 1, or null for one request per call.")

@@ -28,7 +28,7 @@ class RemoteRewardInterface:
         self.config = config or RemoteRewardConfig()
         self.client = RemoteRewardClient(
             self.config.url, self.config.timeout_s, self.config.max_retries,
-            self.config.backoff_s, self.config.max_items_per_request,
+            self.config.backoff_s, self.config.max_items_per_request, self.config.token_env,
         )
 
     def optimizer_steps_per_call(self) -> int:

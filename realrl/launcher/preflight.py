@@ -15,6 +15,7 @@ the file where one is involved, and the fix:
   record count against `dataset.batch_size`;
 - prompt limit plus new tokens (or the sequence limit) against the models' context;
 - `recover_mode=resume` with no complete checkpoint in the run directory;
+- a remote reward service's token variable (`reward.remote.token_env`) unset or empty;
 - more local CPU workers than cores (`allow_oversubscribe`), megatron without CUDA, a chat
   template the tokenizer lacks;
 - with mode=slurm, the `slurm.*` keys and `sbatch --test-only` (`slurm_checks`).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 from realrl.api import environment
@@ -80,6 +82,7 @@ def prepare_launch(config: BaseExperimentConfig) -> LaunchPlan:
     problems += resume_problems(config)
     problems += oversubscription_problems(config)
     problems += optimizer_backend_problems(plan)
+    problems += remote_token_problems(config)
     if config.mode == LaunchMode.slurm and not problems:
         from realrl.launcher.slurm_checks import submission_problems
 
@@ -227,6 +230,21 @@ def oversubscription_problems(config: BaseExperimentConfig) -> list[str]:
             f"starts {config.n_workers} CPU model workers on the {cores} cores this process may "
             f"use: set n_devices_per_node to at most {cores} (0: detect), or "
             "allow_oversubscribe=true to start them anyway"]
+
+
+def remote_token_problems(config: BaseExperimentConfig) -> list[str]:
+    """`reward.remote.token_env` names a variable this process lacks: the workers (which
+    inherit the launcher's environment, under SLURM too) could not authenticate."""
+    reward = getattr(config, "reward", None)
+    if reward is None or "remote" not in [getattr(s, "value", s) for s in reward.sources]:
+        return []
+    name = reward.remote.token_env
+    if not name or os.environ.get(name, "").strip():
+        return []
+    state = "empty" if name in os.environ else "not set"
+    return [f"`reward.remote.token_env={name}`, but ${name} is {state} here: export "
+            f"{name}=<the reward service's token> before starting the run, or set "
+            "reward.remote.token_env= (empty) for a service without authentication"]
 
 
 def optimizer_backend_problems(plan: LaunchPlan) -> list[str]:

@@ -13,7 +13,9 @@ cannot connect, is cut off, or gets HTTP 408, 429 or 5xx is sent again after `ba
 then twice as long each time, at most `max_retries` times; after the last one
 `RemoteRewardError` names the URL, what went wrong and what to do. An answer that is not the
 JSON above, or another HTTP status (404, 400, ...), fails at once: sending the same request
-again would get the same answer.
+again would get the same answer. With a token (`reward.remote.token_env` names the environment
+variable holding it) every request carries ``Authorization: Bearer <token>``; HTTP 401 or 403
+then names that variable.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
@@ -59,11 +62,15 @@ class RemoteRewardClient:
     again since the client was made (for statistics). `sleep` waits between tries."""
 
     def __init__(self, url: str, timeout_s: float, max_retries: int, backoff_s: float,
-                 max_items_per_request: int | None = None,
+                 max_items_per_request: int | None = None, token_env: str = "",
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.url, self.timeout_s = url, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.max_items_per_request = max_items_per_request
+        self.token_env = token_env
+        self.headers = {"Content-Type": "application/json", "User-Agent": "realrl-reward-client"}
+        if token_env:
+            self.headers["Authorization"] = f"Bearer {_token(token_env, url)}"
         self.sleep = sleep
         self.retries = 0
 
@@ -105,10 +112,7 @@ class RemoteRewardClient:
 
     def _post(self, body: bytes) -> bytes | _Failure:
         """The answer's body on HTTP 200, else what went wrong."""
-        request = urllib.request.Request(
-            self.url, data=body, method="POST",
-            headers={"Content-Type": "application/json", "User-Agent": "realrl-reward-client"},
-        )
+        request = urllib.request.Request(self.url, data=body, method="POST", headers=self.headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return response.read()
@@ -116,6 +120,7 @@ class RemoteRewardClient:
             excerpt = _excerpt(error.read())
             retryable = error.code in (408, 429) or error.code >= 500
             fix = (SERVER_FIX if error.code >= 500 else TIMEOUT_FIX if retryable else
+                   self._auth_fix() if error.code in (401, 403) else
                    "check reward.remote.url (host, port and path) and that the service takes "
                    'POST {"items": [...]} (docs/rewards.md)')
             return _Failure(f"HTTP {error.code} {error.reason}: {excerpt}", fix, retryable)
@@ -128,6 +133,26 @@ class RemoteRewardClient:
         except (http.client.HTTPException, OSError) as error:  # reset, closed, TLS, ...
             reason = f"the connection broke ({type(error).__name__}: {error})"
             return _Failure(reason, SERVER_FIX, True)
+
+
+    def _auth_fix(self) -> str:
+        if not self.token_env:
+            return ("the service wants credentials: put its token in an environment variable "
+                    "and name that variable in reward.remote.token_env")
+        return (f"the service refused the token in ${self.token_env} "
+                "(reward.remote.token_env): check that it is valid for this service")
+
+
+def _token(token_env: str, url: str) -> str:
+    """The token in environment variable `token_env`; an error naming it when unset or empty."""
+    token = os.environ.get(token_env, "").strip()
+    if not token:
+        raise RemoteRewardError(
+            f"reward.remote.token_env={token_env}, but ${token_env} is "
+            f"{'empty' if token_env in os.environ else 'not set'} in this process, so requests "
+            f"to {url} cannot carry a token. Fix: export {token_env}=<token> in the shell that "
+            "starts the run (workers inherit it; under SLURM, sbatch exports it by default)")
+    return token
 
 
 def _parse_rewards(body: bytes, num_items: int) -> list[float] | _Failure:

@@ -54,12 +54,14 @@ class RewardService:
     def __init__(self, good_requests: int, failure: str, hang_s: float = 5.0):
         score_request = example_server_module().score_request
         self.requests = 0
+        self.authorizations: set[str | None] = set()  # the Authorization headers seen
         service = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 service.requests += 1
+                service.authorizations.add(self.headers.get("Authorization"))
                 if service.requests <= good_requests:
                     self._send(json.dumps({"rewards": score_request(body)}).encode())
                 elif failure == "garbage":
@@ -89,11 +91,11 @@ class RewardService:
         self.httpd.server_close()
 
 
-def run_ppo(overrides, tiny_model, cli_env, tmp_path):
+def run_ppo(overrides, tiny_model, cli_env, tmp_path, extra_env=None):
     run_dir = tmp_path / "ppo-math" / "trial0"
     try:
         result = run("ppo-math", [f"actor.path={tiny_model}", f"output_root={tmp_path}",
-                                  *TINY_GRPO, *overrides], cli_env)
+                                  *TINY_GRPO, *overrides], {**cli_env, **(extra_env or {})})
         leftovers = processes_mentioning(str(run_dir))
     finally:
         kill_leftovers(str(run_dir))
@@ -107,7 +109,11 @@ def test_a_weighted_sum_trains_then_a_garbage_answer_stops_the_run_intact(
         result, run_dir, leftovers = run_ppo(
             ["reward.sources=[rule,remote]", f"reward.remote.url={service.url}",
              "reward.rule.weight=0.25", "reward.remote.weight=0.75", "total_train_steps=3",
-             "save_freq_steps=1"], tiny_model, cli_env, tmp_path)
+             "save_freq_steps=1", "reward.remote.token_env=REALRL_TEST_REWARD_TOKEN"],
+            tiny_model, cli_env, tmp_path, {"REALRL_TEST_REWARD_TOKEN": "s3cret-token"})
+    # Every request carried the token from the variable, which the run directory never holds.
+    assert service.authorizations == {"Bearer s3cret-token"}, service.authorizations
+    assert "s3cret-token" not in (run_dir / "config.yaml").read_text()
     assert result.returncode == 1, describe(result)
     output = result.stderr + result.stdout
     assert f"the reward service at {service.url} did not score" in output, describe(result)

@@ -109,6 +109,8 @@ def test_the_reward_model_gets_its_own_allocation():
      "`reward.remote.max_retries=-1` must be >= 0"),
     (["reward.sources=[model]", "reward.model.normalize=fixed", "reward.model.scale=0"],
      "`reward.model.scale=0.0` must be > 0 with `reward.model.normalize=fixed`"),
+    (["reward.sources=[remote]", URL, "reward.remote.token_env=sk-abc.123"],
+     "`reward.remote.token_env='sk-abc.123'` must be the NAME of an environment variable"),
     (["reward.sources=[rule,rule]"], "`reward.sources` names ['rule'] more than once"),
     (["reward.sources=[model]", "rm_inf.min_num_microbatches=0"],
      "`rm_inf.min_num_microbatches=0` must be >= 1"),
@@ -150,3 +152,25 @@ def test_gen_scores_its_completions_with_the_same_sources_and_reads_chat_records
     assert scored.models["rm"].config.path == "/models/rw" and "reward" in scored.models
     with pytest.raises(ConfigError, match=r"`reward.sources` has model but `rm.path` is empty"):
         spec("reward.sources=[model]", config_class=GenerationExperimentConfig)
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_a_remote_token_variable_missing_at_launch_is_refused_before_any_process_starts(
+    monkeypatch, value
+):
+    from realrl.launcher.preflight import remote_token_problems
+
+    monkeypatch.delenv("REWARD_TOKEN_FOR_TEST", raising=False)
+    if value is not None:
+        monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", value)
+    config = resolve_config(PPOMathConfig, ["reward.sources=[rule,remote]", URL,
+                                            "reward.remote.token_env=REWARD_TOKEN_FOR_TEST"])
+    state = "not set" if value is None else "empty"
+    assert remote_token_problems(config) == [
+        f"`reward.remote.token_env=REWARD_TOKEN_FOR_TEST`, but $REWARD_TOKEN_FOR_TEST is {state} "
+        "here: export REWARD_TOKEN_FOR_TEST=<the reward service's token> before starting the "
+        "run, or set reward.remote.token_env= (empty) for a service without authentication"]
+    monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", "t0ken")
+    assert remote_token_problems(config) == []
+    without_remote = resolve_config(PPOMathConfig, ["reward.remote.token_env=UNSET_VARIABLE"])
+    assert remote_token_problems(without_remote) == []  # no remote source: nothing to send

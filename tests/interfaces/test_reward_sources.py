@@ -25,6 +25,7 @@ from realrl.interfaces.configs import RewardSumConfig
 from realrl.interfaces.model_reward import ModelRewardInterface
 from realrl.interfaces.remote_reward import RemoteRewardInterface
 from realrl.interfaces.reward_sum import RewardSumInterface
+from realrl.rewards.remote import RemoteRewardClient, RemoteRewardError
 from realrl.workers.model_worker import TokenizerOnlyEngine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -190,3 +191,25 @@ def test_the_remote_source_sends_prompts_responses_and_metadata_to_the_example_s
         {"prompt": "1+2=", "response": "4", "metadata": {"query_id": "q0", "answer": "3", "task": "math"}},
         {"prompt": "9-5=", "response": "4", "metadata": {"query_id": "q1", "answer": "4", "task": "math"}},
     ]
+
+
+def test_the_example_server_with_a_token_answers_only_requests_that_carry_it(monkeypatch):
+    example = load_example_server()
+    monkeypatch.setattr(example.RewardHandler, "token", "t0ken")
+    monkeypatch.setattr(example.RewardHandler, "log_message", lambda *args: None)
+    server = example.ThreadingHTTPServer(("127.0.0.1", 0), example.RewardHandler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    items = [{"prompt": "1+2=", "response": "3", "metadata": {"answer": "3"}}]
+    try:
+        monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", "t0ken")
+        assert RemoteRewardClient(url, 5.0, 0, 0.0, token_env="REWARD_TOKEN_FOR_TEST").score(
+            items) == [1.0]
+        monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", "guess")
+        for token_env in ("REWARD_TOKEN_FOR_TEST", ""):
+            with pytest.raises(RemoteRewardError, match="HTTP 401"):
+                RemoteRewardClient(url, 5.0, 0, 0.0, token_env=token_env).score(items)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -27,13 +27,14 @@ class ScriptedServer:
     response's length."""
 
     def __init__(self, script=()):
-        self.script, self.requests = list(script), []
+        self.script, self.requests, self.authorizations = list(script), [], []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(body)
+                server.authorizations.append(self.headers.get("Authorization"))
                 action = server.script.pop(0) if server.script else ("ok",)
                 if action[0] == "hang":
                     time.sleep(action[1])
@@ -162,3 +163,40 @@ def test_nothing_listening_is_retried_then_reported_as_cannot_connect():
     message = str(error.value)
     assert url in message and "cannot connect" in message and "start the reward service" in message
     assert waits == [0.01, 0.02]
+
+
+def test_a_token_from_the_named_variable_goes_in_every_request(monkeypatch):
+    monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", "abc123")
+    with ScriptedServer() as server:
+        client(server.url, token_env="REWARD_TOKEN_FOR_TEST", max_items_per_request=2).score(ITEMS)
+    assert server.authorizations == ["Bearer abc123"] * 3
+    with ScriptedServer() as server:
+        client(server.url).score(ITEMS)
+    assert server.authorizations == [None]
+
+
+@pytest.mark.parametrize("value", [None, "  "])
+def test_an_unset_or_empty_token_variable_is_named_before_any_request(monkeypatch, value):
+    monkeypatch.delenv("REWARD_TOKEN_FOR_TEST", raising=False)
+    if value is not None:
+        monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", value)
+    with pytest.raises(RemoteRewardError) as error:
+        client("http://127.0.0.1:9/score", token_env="REWARD_TOKEN_FOR_TEST")
+    message = str(error.value)
+    assert "$REWARD_TOKEN_FOR_TEST is " + ("not set" if value is None else "empty") in message
+    assert "export REWARD_TOKEN_FOR_TEST=<token>" in message
+
+
+@pytest.mark.parametrize("token_env", ["", "REWARD_TOKEN_FOR_TEST"])
+def test_a_refused_credential_is_not_retried_and_names_the_token_variable(monkeypatch, token_env):
+    monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", "wrong")
+    with ScriptedServer([("status", 401)]) as server:
+        with pytest.raises(RemoteRewardError) as error:
+            client(server.url, token_env=token_env).score(ITEMS)
+    assert len(server.requests) == 1
+    message = str(error.value)
+    assert "HTTP 401" in message
+    if token_env:
+        assert "refused the token in $REWARD_TOKEN_FOR_TEST (reward.remote.token_env)" in message
+    else:
+        assert "name that variable in reward.remote.token_env" in message
