@@ -1,4 +1,8 @@
-"""dpo: direct preference optimisation against a frozen reference model."""
+"""dpo: direct preference optimisation against a frozen reference model.
+
+With `actor.lora.rank > 0` the reference is the actor's base weights with the adapter off
+(`ModelSpec.shares_base_with`, as in ppo-math): no second copy of the model is loaded.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +52,21 @@ class DPOExperimentConfig(BaseExperimentConfig):
         problems += self.actor.optimizer.validate("actor.optimizer")
         if self.beta <= 0:
             problems.append(f"`beta={self.beta}` must be > 0.")
+        if self.ref.lora.enabled:
+            problems.append(f"`ref.lora.rank={self.ref.lora.rank}`: the reference does not "
+                            "train; with `actor.lora.rank` > 0 it is the actor's base with the "
+                            "adapter off. Set `ref.lora.rank=0`.")
+        if self.reference_shares_actor_base() and self.ref.offload:
+            problems.append("`ref.offload=true` with `actor.lora.rank` > 0: the reference is the "
+                            "actor's base weights, which offloading would move from under the "
+                            "actor; set `ref.offload=false`.")
         return problems + self.ref_inf.validate("ref_inf") + self.actor_train.validate("actor_train")
+
+    def reference_shares_actor_base(self) -> bool:
+        """The actor has LoRA adapters and the reference would load the same weights in the
+        same dtype: the reference is then the actor's base with its adapter off."""
+        return (self.actor.lora.enabled and self.ref.path in ("", self.actor.path)
+                and self.ref.dtype == self.actor.dtype)
 
     def build(self) -> ExperimentSpec:
         batch_size = self.dataset.batch_size
@@ -67,6 +85,8 @@ class DPOExperimentConfig(BaseExperimentConfig):
         )
         models = {
             "actor": ModelSpec("actor", ModelKind.lm, self.actor, trainable=True),
-            "ref": ModelSpec("ref", ModelKind.lm, self.ref),
+            "ref": ModelSpec("ref", ModelKind.lm, self.ref,
+                             shares_base_with="actor" if self.reference_shares_actor_base()
+                             else None),
         }
         return ExperimentSpec(models, [ref_inf, actor_train], DatasetKind.paired, PAIRED_KEYS)

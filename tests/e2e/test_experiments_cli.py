@@ -3,7 +3,9 @@
 The user files are written here in the documented formats: `{"prompt", "answer"}` for SFT,
 `{"prompt", "pos_answers", "neg_answers"}` for RW and DPO, `{"prompt", "answer"}` prompts for
 gen. Training experiments must log every step and leave a Hugging Face checkpoint of the
-trained model; gen must write all its completions into one JSONL file, in prompt order.
+trained model; gen must write all its completions into one JSONL file, in prompt order. DPO on
+the built-in data trains a LoRA actor, whose reference is the actor's base weights (no copy):
+its checkpoint is the adapter in PEFT's format.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def test_experiment_runs_end_to_end_through_the_cli(
         overrides.append(f"dataset.path={data}")
     if experiment == "gen":
         overrides += ["gen.max_new_tokens=6", "n_samples=2"]
+    lora = experiment == "dpo" and source == "builtin"
+    if lora:
+        overrides.append("actor.lora.rank=4")
     result = run_cli(experiment, overrides, cli_env)
     assert result.returncode == 0, describe(result)
 
@@ -76,8 +81,13 @@ def test_experiment_runs_end_to_end_through_the_cli(
     if trained_role is not None:
         assert all(loss_key in record for record in metrics), sorted(metrics[0])
         checkpoint = run_dir / "checkpoints" / f"step{STEPS:06d}" / trained_role
-        assert (checkpoint / "config.json").is_file() and (checkpoint / "tokenizer.json").is_file()
+        weights = "adapter_config.json" if lora else "config.json"
+        assert (checkpoint / weights).is_file() and (checkpoint / "tokenizer.json").is_file()
         assert list(checkpoint.glob("*.safetensors")), sorted(checkpoint.iterdir())
+        if lora:
+            assert not (checkpoint / "model.safetensors").exists()
+            log = (run_dir / "logs" / "worker0.log").read_text()
+            assert "ref computes with actor's base weights (no copy of its own)" in log, log
     else:
         prompts = ([json.loads(line)["prompt"] for line in data.read_text().splitlines()]
                    if source == "user_jsonl" else None)
