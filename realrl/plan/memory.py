@@ -1,0 +1,93 @@
+"""Peak memory per device of a whole plan (one `Layout` per MFC).
+
+A device holds, for as long as the run lasts, one copy of the weights of every (role, layout)
+pair that runs on it (`realrl.workers.realloc` keeps a copy per layout), and for a role trained
+in that layout its gradients and Adam state. On top of that, while one of its MFCs runs, that
+MFC's transient memory: activations and logits of one micro-batch when training, the logits
+of one micro-batch in inference, the KV cache and one step's logits when generating. MFCs on
+one device run one after another, so the peak is the held memory plus the largest transient.
+
+Units: bytes; notation as in `realrl.plan.costs`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from realrl.plan.costs import (
+    ACTIVATION_VALUES_PER_TOKEN_LAYER,
+    ADAM_BYTES_PER_PARAMETER,
+    DTYPE_BYTES,
+    Layout,
+    MFCWork,
+    WorkKind,
+)
+
+LOGIT_BYTES = 4  # logits and their softmax are float32 whatever the weights' dtype
+
+
+def held_bytes(work: MFCWork, layout: Layout, trains: bool, shard_optimizer: bool) -> float:
+    """Weights of `work`'s role in `layout` on one device, with gradients and Adam state when
+    `trains` (the role's train MFC uses this layout). `shard_optimizer`: the optimizer state
+    is divided over the data-parallel ranks (megatron-core's distributed optimizer)."""
+    if work.model is None:
+        return 0.0
+    strategy = layout.strategy
+    parameters = work.model.num_parameters / (strategy.tensor * strategy.pipeline)
+    weight_bytes = DTYPE_BYTES[work.dtype]
+    held = parameters * weight_bytes
+    if trains:
+        optimizer = ADAM_BYTES_PER_PARAMETER + (4 if weight_bytes < 4 else 0)  # + fp32 master
+        held += parameters * weight_bytes  # gradients
+        held += parameters * optimizer / (strategy.data if shard_optimizer else 1)
+    return held
+
+
+def transient_bytes(work: MFCWork, layout: Layout) -> float:
+    """The most one call of `work` adds while it runs, on one device of `layout`."""
+    model = work.model
+    if model is None:
+        return 0.0
+    strategy = layout.strategy
+    value_bytes = DTYPE_BYTES[work.dtype]
+    vocab = 0 if model.value_head else model.vocab_size / strategy.tensor
+    layers = model.num_layers / strategy.pipeline
+    if work.kind == WorkKind.generate:
+        rows = work.num_sequences / strategy.data
+        kv_shards = min(strategy.tensor, model.num_key_value_heads)
+        cache = (rows * work.sequence_tokens * layers * 2 * model.key_value_size * value_bytes
+                 / kv_shards)
+        prefill = rows * work.prompt_tokens * 8 * model.hidden_size * value_bytes
+        return cache + rows * vocab * LOGIT_BYTES + prefill
+    chunks = layout.num_microbatches * (work.optimizer_steps if work.kind == WorkKind.train_step
+                                        else 1)
+    tokens = work.total_tokens / strategy.data / chunks
+    if work.kind == WorkKind.inference:
+        return tokens * (2 * vocab * LOGIT_BYTES + 8 * model.hidden_size * value_bytes)
+    in_flight = min(strategy.pipeline, layout.num_microbatches) if strategy.pipeline > 1 else 1
+    activations = (tokens * layers * ACTIVATION_VALUES_PER_TOKEN_LAYER * model.hidden_size
+                   / strategy.tensor * value_bytes * in_flight)
+    return activations + 3 * tokens * vocab * LOGIT_BYTES  # logits, softmax, their gradient
+
+
+def peak_bytes_per_device(works: dict[str, MFCWork], layouts: dict[str, Layout],
+                          shard_optimizer: bool = False) -> dict[int, float]:
+    """Rank -> peak bytes of the plan `layouts` (MFC name -> layout)."""
+    trained_layouts = {(works[name].role, layouts[name].mesh, layouts[name].strategy)
+                       for name in works if works[name].kind == WorkKind.train_step}
+    held: dict[tuple, float] = {}
+    for name, work in works.items():
+        layout = layouts[name]
+        key = (work.role, layout.mesh, layout.strategy)
+        held[key] = max(held.get(key, 0.0),
+                        held_bytes(work, layout, key in trained_layouts, shard_optimizer))
+    peak: dict[int, float] = defaultdict(float)
+    for (_, mesh, _), num_bytes in held.items():
+        for rank in mesh.ranks:
+            peak[rank] += num_bytes
+    transient: dict[int, float] = defaultdict(float)
+    for name, work in works.items():
+        num_bytes = transient_bytes(work, layouts[name])
+        for rank in layouts[name].mesh.ranks:
+            transient[rank] = max(transient[rank], num_bytes)
+    return {rank: peak[rank] + transient[rank] for rank in set(peak) | set(transient)}
