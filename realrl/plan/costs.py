@@ -21,9 +21,6 @@ from realrl.api.allocation import DeviceMesh, ParallelStrategy, format_ranks
 from realrl.plan.devices import DeviceSpec, Link
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Values a training forward keeps per token and layer, in units of h (the attention and MLP
-# inputs and outputs; `gradient_checkpointing`'s help text measures ~28 h on CPU).
-ACTIVATION_VALUES_PER_TOKEN_LAYER = 28
 # Adam's two moments in fp32, plus an fp32 master copy when the weights are in 16 bits.
 ADAM_BYTES_PER_PARAMETER = 8
 

@@ -3,8 +3,9 @@
 A device holds, for as long as the run lasts, one copy of the weights of every (role, layout)
 pair that runs on it (`realrl.workers.realloc` keeps a copy per layout), and for a role trained
 in that layout its gradients and Adam state. On top of that, while one of its MFCs runs, that
-MFC's transient memory: activations and logits of one micro-batch when training, the logits
-of one micro-batch in inference, the KV cache and one step's logits when generating. MFCs on
+MFC's transient memory: activations of one micro-batch and one chunk of logits when
+training, a chunk of logits and one layer's temporaries in inference, the KV cache and one
+step's logits when generating. MFCs on
 one device run one after another, so the peak is the held memory plus the largest transient.
 
 Units: bytes; notation as in `realrl.plan.costs`.
@@ -15,7 +16,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 from realrl.plan.costs import (
-    ACTIVATION_VALUES_PER_TOKEN_LAYER,
     ADAM_BYTES_PER_PARAMETER,
     DTYPE_BYTES,
     Layout,
@@ -23,7 +23,22 @@ from realrl.plan.costs import (
     WorkKind,
 )
 
-LOGIT_BYTES = 4  # logits and their softmax are float32 whatever the weights' dtype
+LOGIT_BYTES = 4  # logits are float32 whatever the weights' dtype
+# The LM head is fused with the log-softmax (`realrl.models.lm_head`): it holds one chunk of
+# rows' logits at a time, at least 512 rows (GPU) or 2**22 logits (`realrl.algo.layout`).
+LOGIT_CHUNK_ELEMENTS = 2**22
+LOGIT_CHUNK_MIN_ROWS = 512
+
+
+def activation_values_per_token_layer(hidden_size: int, intermediate_size: int) -> int:
+    """Values a training forward keeps per token and layer: ~16 h + 4 f (the attention and
+    MLP inputs, outputs and SwiGLU's intermediates; `<mfc>.max_tokens_per_microbatch`'s help
+    text)."""
+    return 16 * hidden_size + 4 * intermediate_size
+
+
+def _logit_rows(tokens: float, vocab_size: int) -> float:
+    return min(tokens, max(LOGIT_CHUNK_MIN_ROWS, LOGIT_CHUNK_ELEMENTS // max(vocab_size, 1)))
 
 
 def held_bytes(work: MFCWork, layout: Layout, trains: bool, shard_optimizer: bool) -> float:
@@ -62,12 +77,13 @@ def transient_bytes(work: MFCWork, layout: Layout) -> float:
     chunks = layout.num_microbatches * (work.optimizer_steps if work.kind == WorkKind.train_step
                                         else 1)
     tokens = work.total_tokens / strategy.data / chunks
-    if work.kind == WorkKind.inference:
-        return tokens * (2 * vocab * LOGIT_BYTES + 8 * model.hidden_size * value_bytes)
+    logits = _logit_rows(tokens, model.vocab_size) * vocab * LOGIT_BYTES
+    if work.kind == WorkKind.inference:  # one chunk of logits, one layer's temporaries
+        return logits + tokens * 8 * model.hidden_size * value_bytes
     in_flight = min(strategy.pipeline, layout.num_microbatches) if strategy.pipeline > 1 else 1
-    activations = (tokens * layers * ACTIVATION_VALUES_PER_TOKEN_LAYER * model.hidden_size
-                   / strategy.tensor * value_bytes * in_flight)
-    return activations + 3 * tokens * vocab * LOGIT_BYTES  # logits, softmax, their gradient
+    values = activation_values_per_token_layer(model.hidden_size, model.intermediate_size)
+    activations = tokens * layers * values / strategy.tensor * value_bytes * in_flight
+    return activations + 2 * logits  # a chunk's logits and their gradient
 
 
 def peak_bytes_per_device(works: dict[str, MFCWork], layouts: dict[str, Layout],

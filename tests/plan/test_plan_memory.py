@@ -29,12 +29,13 @@ def test_held_bytes_are_weights_plus_gradients_and_adam_state_when_training():
 
 
 def test_transient_bytes_of_inference_training_and_generation():
-    # inference: 12 tokens x (2 x 10 vocab x 4 B logits + 8 x 8 x 4 B) = 12 x 336
-    assert transient_bytes(work(WorkKind.inference), layout([0])) == 4032
-    # train: 12 tokens x 2 layers x 28 x 8 x 4 B = 21504 activations + 3 x 12 x 10 x 4 logits
-    assert transient_bytes(work(WorkKind.train_step), layout([0])) == 22944
+    # inference: one chunk of logits, 12 tokens x 10 x 4 B, + 12 x 8 x 8 x 4 B of temporaries
+    assert transient_bytes(work(WorkKind.inference), layout([0])) == 480 + 3072
+    # train: 12 tokens x 2 layers x (16 x 8 + 4 x 16 = 192 values) x 4 B = 18432 activations
+    # + logits and their gradient 2 x 12 x 10 x 4 B
+    assert transient_bytes(work(WorkKind.train_step), layout([0])) == 18432 + 960
     # two micro-batches halve it
-    assert transient_bytes(work(WorkKind.train_step), layout([0], microbatches=2)) == 11472
+    assert transient_bytes(work(WorkKind.train_step), layout([0], microbatches=2)) == 9696
     # generate: KV cache 3 rows x 4 tokens x 2 layers x 2 x 4 x 4 B = 768, logits 3 x 10 x 4,
     # prefill activations 3 x 2 tokens x 8 x 8 x 4 B = 1536
     assert transient_bytes(work(WorkKind.generate), layout([0])) == 768 + 120 + 1536
@@ -46,10 +47,10 @@ def test_a_plan_holds_one_copy_per_role_and_layout_and_the_largest_transient():
              "actor_train": work(WorkKind.train_step, name="actor_train")}
     same = {"actor_gen": layout([0]), "actor_train": layout([0])}
     # one trained copy (1352 x 16) and the train call's transient
-    assert peak_bytes_per_device(works, same) == {0: 21632 + 22944}
+    assert peak_bytes_per_device(works, same) == {0: 21632 + 19392}
     split = {"actor_gen": layout([0, 1], data=2), "actor_train": layout([0])}
     # rank 0 also holds the generation layout's copy (5408 B); generation's transient at d2:
     # KV 384 + logits 60 + prefill 768 = 1212
     peaks = peak_bytes_per_device(works, split)
-    assert peaks[0] == pytest.approx(21632 + 5408 + 22944)
+    assert peaks[0] == pytest.approx(21632 + 5408 + 19392)
     assert peaks[1] == pytest.approx(5408 + 1212)
