@@ -4,7 +4,8 @@
 
 The launcher never imports torch, so `realrl.plan.devices.cpu_profile` runs this module as a
 subprocess and caches its line per machine and thread count. What it measures, each the
-median of a few repeats after a warm-up (~5 s in all):
+fastest of a few repeats after a warm-up (~5 s in all; the fastest, because other processes
+on a shared machine only ever slow a repeat down):
 
 - ``matmul_<dtype>_flops_per_s``: a [512, 1024] x [1024, 1024] matmul (the size of a small
   model's packed-token projections);
@@ -20,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 
-def _median_seconds(function, repeats: int = 5, inner: int = 1) -> float:
+def _fastest_seconds(function, repeats: int = 5, inner: int = 1) -> float:
     function()  # warm-up
     samples = []
     for _ in range(repeats):
@@ -34,20 +34,20 @@ def _median_seconds(function, repeats: int = 5, inner: int = 1) -> float:
         for _ in range(inner):
             function()
         samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def _matmul_flops(dtype: torch.dtype) -> float:
     left = torch.randn(512, 1024, dtype=dtype)
     right = torch.randn(1024, 1024, dtype=dtype)
-    seconds = _median_seconds(lambda: left @ right, repeats=5, inner=4)
+    seconds = _fastest_seconds(lambda: left @ right, repeats=5, inner=4)
     return 2 * 512 * 1024 * 1024 / seconds
 
 
 def _copy_bytes_per_s() -> float:
     source = torch.randn(16 * 1024 * 1024)  # 64 MB
     target = torch.empty_like(source)
-    seconds = _median_seconds(lambda: target.copy_(source), repeats=5, inner=2)
+    seconds = _fastest_seconds(lambda: target.copy_(source), repeats=5, inner=2)
     return 2 * source.numel() * 4 / seconds
 
 
@@ -64,7 +64,7 @@ def _layer_overhead_s() -> float:
         return x
 
     with torch.no_grad():
-        return _median_seconds(layer, repeats=7, inner=50)
+        return _fastest_seconds(layer, repeats=7, inner=50)
 
 
 def measure(threads: int) -> dict:

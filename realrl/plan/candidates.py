@@ -8,7 +8,8 @@ a node (its all-reduces are the chattiest traffic) and must divide the model's h
 heads, vocabulary and MLP size (`realrl.api.allocation.validate_model_divisibility`); each
 data-parallel rank gets at least one sequence. Generation and rule rewards take one
 micro-batch (the decode batch is the whole rank's share); training and inference choose
-from ``microbatch_choices``.
+from the work's own ``microbatch_choices`` (a launched run's configured count) or the
+search's.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def strategies(work: MFCWork, mesh_size: int, per_node: int,
 def candidate_layouts(work: MFCWork, cluster: Cluster, allow_pipeline: bool = False,
                       microbatch_choices: tuple[int, ...] = (1, 2, 4, 8)) -> list[Layout]:
     single = work.kind in (WorkKind.generate, WorkKind.rule)
+    choices = work.microbatch_choices or microbatch_choices
     found = []
     for mesh in meshes(cluster):
         for strategy in strategies(work, mesh.size, cluster.n_devices_per_node, allow_pipeline):
             rows = work.num_sequences // strategy.data
-            counts = [1] if single else [n for n in microbatch_choices if n <= max(rows, 1)]
+            counts = [1] if single else [n for n in choices if n <= max(rows, 1)] or [1]
             found.extend(Layout(mesh, strategy, count) for count in counts)
     return found

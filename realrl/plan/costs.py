@@ -100,6 +100,7 @@ class MFCWork:
     epochs: int = 1  # train: passes over the batch
     transfer_bytes_per_token: int = 24  # master <-> worker: ids, masks, log-probs
     rule_seconds_per_sequence: float = 2e-4  # rule rewards: parse and verify one response
+    microbatch_choices: tuple[int, ...] | None = None  # None: the search's choices
 
     @property
     def sequence_tokens(self) -> int:

@@ -161,8 +161,22 @@ def best_symmetric(evaluator: Evaluator, candidates: dict[str, list[Layout]]) ->
     return best
 
 
+def _plan_key(layouts: dict[str, Layout]) -> tuple:
+    """The plan up to renumbering devices (ranks numbered by first use, MFC by MFC) and
+    micro-batch counts: two plans with one key are the same plan on swapped devices."""
+    numbering: dict[int, int] = {}
+    key = []
+    for name, layout in layouts.items():
+        for rank in layout.mesh.ranks:
+            numbering.setdefault(rank, len(numbering))
+        key.append((name, tuple(sorted(numbering[rank] for rank in layout.mesh.ranks)),
+                    layout.strategy))
+    return tuple(key)
+
+
 class _Keeper:
-    """The `keep` best distinct feasible plans seen."""
+    """The `keep` best feasible plans seen that differ in more than micro-batch counts or a
+    renumbering of the devices (`_plan_key`); of plans with one key the fastest is kept."""
 
     def __init__(self, keep: int):
         self.keep = keep
@@ -171,8 +185,9 @@ class _Keeper:
     def offer(self, plan: Plan) -> None:
         if math.isinf(plan.step_seconds):
             return
-        key = tuple(plan.layouts.items())
-        self.plans[key] = plan
+        key = _plan_key(plan.layouts)
+        if key not in self.plans or plan.step_seconds < self.plans[key].step_seconds:
+            self.plans[key] = plan
         if len(self.plans) > 4 * self.keep:
             self.plans = dict(sorted(self.plans.items(),
                                      key=lambda item: item[1].step_seconds)[: self.keep])
