@@ -7,7 +7,9 @@ the test suite and the benchmarks use) runs `--steps` steps through the real CLI
 measured step is the median of `timing/step_s` over the steps after the first (warm-up). The
 prediction is `realrl.plan`'s for the same allocation, on the same machine profile the
 launcher uses (`$REALRL_CACHE/plan/cpu-*.json`). Responses are forced to
-`gen.max_new_tokens` tokens (`gen.min_new_tokens` equal to it), as the cost model assumes.
+`gen.max_new_tokens` tokens (`gen.min_new_tokens` equal to it), and each worker keeps its own
+core (`share_idle_cores=false`: a call alone on the machine does not borrow the idle
+workers' threads), as the cost model assumes.
 
     .venv/bin/python benchmarks/bench_plan_search.py --experiments ppo,grpo --steps 8
 
@@ -67,7 +69,8 @@ def overrides(args: argparse.Namespace, experiment: str, plan: str, trial: str) 
         f"n_devices_per_node={args.workers}", f"allocation_mode='{plan}'",
         f"total_train_steps={args.steps}", "wandb.mode=disabled", "tensorboard=false",
         f"output_root={args.work_dir / 'runs'}", "experiment_name=plan-search",
-        f"trial_name={trial}", *(GRPO if experiment == "grpo" else []),
+        f"trial_name={trial}", "share_idle_cores=false",
+        *(GRPO if experiment == "grpo" else []),
     ]
 
 

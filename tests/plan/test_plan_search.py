@@ -8,6 +8,7 @@ from plan_fixtures import cluster, work
 
 from realrl.plan.costs import WorkKind
 from realrl.plan.memory import peak_bytes_per_device
+from realrl.plan.report import describe
 from realrl.plan.search import SearchProblem, search
 
 
@@ -90,3 +91,16 @@ def test_the_timeline_waits_for_inputs_and_for_the_mesh():
     assert train.start_s == pytest.approx(generate.finish_s)
     # 30.912 s generating (test_plan_costs) + 94.312 s training
     assert result.plans[0].step_seconds == pytest.approx(30.912 + 94.312)
+
+
+def test_the_report_names_what_the_runner_up_changed_and_what_it_cost():
+    problem = two_trainers()
+    result = search(problem)
+    text = describe(problem, result)
+    assert f"#1: {result.plans[0].step_seconds:.3f} s per step" in text
+    assert "allocation_mode='actor_train:d1t1p1@" in text
+    assert "symmetric layout (d2t1p1 for every MFC on all devices): 205.472 s" in text
+    # the runner-up runs both trainers on one device, one after the other: 2 x 94.312 s
+    why = text.split("why #2 lost: ", 1)[1]
+    assert why.startswith("the runner-up is 94.312 s (100.0%) slower:")
+    assert "instead of d1t1p1@" in why and "ends 94.312 -> 188.624 s" in why
