@@ -13,7 +13,7 @@ Units: bytes; notation as in `realrl.plan.costs`.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import numpy as np
 
 from realrl.plan.costs import (
     ADAM_BYTES_PER_PARAMETER,
@@ -86,9 +86,17 @@ def transient_bytes(work: MFCWork, layout: Layout) -> float:
     return activations + 2 * logits  # a chunk's logits and their gradient
 
 
-def peak_bytes_per_device(works: dict[str, MFCWork], layouts: dict[str, Layout],
-                          shard_optimizer: bool = False) -> dict[int, float]:
-    """Rank -> peak bytes of the plan `layouts` (MFC name -> layout)."""
+def _ranks_index(ranks: tuple[int, ...]) -> slice | list[int]:
+    """A slice for a block of consecutive ranks (every searched mesh), else the list."""
+    if ranks[-1] - ranks[0] + 1 == len(ranks):
+        return slice(ranks[0], ranks[-1] + 1)
+    return list(ranks)
+
+
+def peak_bytes_array(works: dict[str, MFCWork], layouts: dict[str, Layout],
+                     shard_optimizer: bool = False) -> np.ndarray:
+    """[max rank + 1] peak bytes of the plan `layouts` (MFC name -> layout); ranks no MFC
+    uses hold 0. numpy, because the search prices thousands of plans on up to 128 ranks."""
     trained_layouts = {(works[name].role, layouts[name].mesh, layouts[name].strategy)
                        for name in works if works[name].kind == WorkKind.train_step}
     held: dict[tuple, float] = {}
@@ -97,13 +105,19 @@ def peak_bytes_per_device(works: dict[str, MFCWork], layouts: dict[str, Layout],
         key = (work.role, layout.mesh, layout.strategy)
         held[key] = max(held.get(key, 0.0),
                         held_bytes(work, layout, key in trained_layouts, shard_optimizer))
-    peak: dict[int, float] = defaultdict(float)
+    size = 1 + max(layouts[name].mesh.ranks[-1] for name in works)
+    peak, transient = np.zeros(size), np.zeros(size)
     for (_, mesh, _), num_bytes in held.items():
-        for rank in mesh.ranks:
-            peak[rank] += num_bytes
-    transient: dict[int, float] = defaultdict(float)
+        peak[_ranks_index(mesh.ranks)] += num_bytes
     for name, work in works.items():
-        num_bytes = transient_bytes(work, layouts[name])
-        for rank in layouts[name].mesh.ranks:
-            transient[rank] = max(transient[rank], num_bytes)
-    return {rank: peak[rank] + transient[rank] for rank in set(peak) | set(transient)}
+        index = _ranks_index(layouts[name].mesh.ranks)
+        transient[index] = np.maximum(transient[index], transient_bytes(work, layouts[name]))
+    return peak + transient
+
+
+def peak_bytes_per_device(works: dict[str, MFCWork], layouts: dict[str, Layout],
+                          shard_optimizer: bool = False) -> dict[int, float]:
+    """Rank -> peak bytes of the plan `layouts`, for the ranks its MFCs use."""
+    peaks = peak_bytes_array(works, layouts, shard_optimizer)
+    used = {rank for layout in layouts.values() for rank in layout.mesh.ranks}
+    return {rank: float(peaks[rank]) for rank in sorted(used)}

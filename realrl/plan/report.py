@@ -75,7 +75,7 @@ def describe(problem: SearchProblem, result: SearchResult, show: int = 3) -> str
         f"device: {cluster.device.name}, {cluster.n_nodes} node(s) x "
         f"{cluster.n_devices_per_node}, memory limit {_memory_text(problem.memory_limit)} "
         f"per device",
-        f"plans: {result.space_size:.3g} ({how}) in {result.elapsed_s:.1f} s",
+        f"plans: {result.space_size:.3g} ({how}) in {result.elapsed_s:.1f} CPU s",
     ]
     if result.symmetric is not None:
         speedup = result.symmetric.step_seconds / best.step_seconds
