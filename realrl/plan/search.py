@@ -289,6 +289,6 @@ def search(problem: SearchProblem, time_budget_s: float = 3.0, keep: int = 5,
     if not plans:
         raise ValueError(f"no plan fits in {problem.memory_limit / 2**30:.1f} GiB per device "
                          f"on {problem.cluster.size} device(s) (every MFC fits alone, but not "
-                         "together); use more devices or bfloat16")
+                         "together); use more devices, bfloat16, or more micro-batches")
     return SearchResult(plans, symmetric, space_size, evaluator.evaluations, exhaustive,
                         time.process_time() - started)
