@@ -79,8 +79,16 @@ class ModelShape:
                 + h + (self.head_parameters if untied_head else 0))
 
     def forward_flops_per_token(self, context: float) -> float:
-        return (2 * (self.num_layers * self.layer_matmul_parameters + self.head_parameters)
+        return self.body_flops_per_token(context) + self.head_flops_per_token
+
+    def body_flops_per_token(self, context: float) -> float:
+        """The transformer layers' matmuls and attention scores."""
+        return (2 * self.num_layers * self.layer_matmul_parameters
                 + 4 * self.num_layers * self.hidden_size * context)
+
+    @property
+    def head_flops_per_token(self) -> float:
+        return 2 * self.head_parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,18 +163,27 @@ def _tensor_link(layout: Layout, cluster: Cluster) -> Link:
     return cluster.link_within(group)
 
 
+def _forward_seconds_per_token(model: ModelShape, context: float, dtype: str,
+                               device: DeviceSpec) -> float:
+    """The layers at the weights' dtype; the LM head's logits in float32, as the fused head
+    computes them (`realrl.models.lm_head`), a value head at the weights' dtype."""
+    head_dtype = dtype if model.value_head else "float32"
+    return (model.body_flops_per_token(context) / device.flops(dtype)
+            + model.head_flops_per_token / device.flops(head_dtype))
+
+
 def compute_seconds(work: MFCWork, layout: Layout, device: DeviceSpec) -> float:
     """Matmul time on the slowest rank plus fixed per-layer overheads; pipeline bubbles."""
     if work.model is None:
         return work.num_sequences / layout.strategy.data * work.rule_seconds_per_sequence
     model, strategy = work.model, layout.strategy
-    flops = device.flops(work.dtype)
     shard = strategy.tensor * strategy.pipeline
     layers_per_stage = model.num_layers / strategy.pipeline
     if work.kind == WorkKind.generate:
         return _generate_seconds(work, layout, device)
     tokens = work.total_tokens / strategy.data
-    forward = tokens * model.forward_flops_per_token(work.sequence_tokens / 2) / shard / flops
+    forward = tokens * _forward_seconds_per_token(model, work.sequence_tokens / 2, work.dtype,
+                                                  device) / shard
     passes = 1 if work.kind == WorkKind.inference else 3 * work.epochs
     chunks = layout.num_microbatches * (work.optimizer_steps if work.kind == WorkKind.train_step
                                         else 1)
@@ -186,15 +203,16 @@ def _generate_seconds(work: MFCWork, layout: Layout, device: DeviceSpec) -> floa
     Pipeline stages run one after another for a token, so pp shards memory, not time."""
     model, strategy = work.model, layout.strategy
     assert model is not None
-    flops = device.flops(work.dtype)
     rows = work.num_sequences / strategy.data
-    prefill = (rows * work.prompt_tokens * model.forward_flops_per_token(work.prompt_tokens / 2)
-               / strategy.tensor / flops)
+    prefill = (rows * work.prompt_tokens
+               * _forward_seconds_per_token(model, work.prompt_tokens / 2, work.dtype, device)
+               / strategy.tensor)
     seconds = prefill + model.num_layers * device.kernel_overhead_s
     weight_bytes = model.num_parameters * DTYPE_BYTES[work.dtype] / strategy.tensor
     for step in range(work.generated_tokens):
         context = work.prompt_tokens + step
-        compute = rows * model.forward_flops_per_token(context) / strategy.tensor / flops
+        compute = (rows * _forward_seconds_per_token(model, context, work.dtype, device)
+                   / strategy.tensor)
         cache = (rows * context * model.num_layers * 2 * model.key_value_size
                  * DTYPE_BYTES[work.dtype] / strategy.tensor)
         memory = (weight_bytes + cache) / device.memory_bandwidth_bytes_per_s

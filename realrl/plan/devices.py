@@ -79,7 +79,10 @@ def _gpu(name: str, bf16_tflops: float, fp32_tflops: float, memory_gib: float, h
         intra_node=Link(0.8 * nvlink_gb_s * 1e9, 5e-6),
         inter_node=Link(0.8 * network_gb_s * 1e9, 1.5e-5),
         host=Link(0.8 * network_gb_s * 1e9, 1e-4),  # ZeroMQ over TCP: latency dominates
-        kernel_overhead_s=2e-5,  # ~10 kernel launches per layer, CUDA graphs aside
+        # Measured on one H100 (benchmarks/README.md, "On one GPU"): Qwen2.5-0.5B's decode
+        # with CUDA graphs takes 2.7 ms a step for 24 layers, ~1.1e-4 s a layer above the
+        # bytes it reads; launched without graphs, 14 ms (~6e-4 s a layer).
+        kernel_overhead_s=1.1e-4,
     )
 
 

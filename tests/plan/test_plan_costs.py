@@ -54,6 +54,14 @@ def test_inference_compute_divides_tokens_over_data_and_flops_over_tensor_ranks(
     assert compute_seconds(inference, layout([0, 1], tensor=2), device()) == pytest.approx(15.552)
 
 
+def test_the_lm_head_runs_in_float32_while_the_layers_run_in_the_weights_dtype():
+    # bf16 layers at 2000 FLOP/s: 2 x 2 x 576 + 4 x 2 x 8 x 2 = 2432 FLOPs per token; the
+    # head's 2 x 80 = 160 FLOPs at the float32 1000 FLOP/s: 12 x (1.216 + 0.16) s
+    both = dataclasses.replace(device(), flops_per_s={"float32": 1000.0, "bfloat16": 2000.0})
+    inference = dataclasses.replace(work(WorkKind.inference), dtype="bfloat16")
+    assert compute_seconds(inference, layout([0]), both) == pytest.approx(16.512)
+
+
 def test_overheads_count_per_layer_and_micro_batch_and_pipeline_bubbles_stretch_time():
     inference = work(WorkKind.inference)
     # 1 pass x 2 micro-batches x 2 layers x 0.5 s on top of 31.104 s
