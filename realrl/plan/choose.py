@@ -1,5 +1,5 @@
 """`allocation_mode=search` at launch: the run's graph priced on its cluster, searched once and
-cached on disk per graph, model shapes, cluster and device
+cached on disk per graph, model shapes, cluster, device, budget and cost-model source
 (``$REALRL_CACHE/plan/search-<hash>.json``).
 
 The torch backend runs no pipeline parallelism and holds the whole optimizer state on every
@@ -76,8 +76,13 @@ def launch_problem(config: Any, spec: ExperimentSpec, graph: DataflowGraph,
     return SearchProblem(works, dependencies, cluster)
 
 
-def _cache_path(problem: SearchProblem) -> Path:
-    digest = hashlib.sha256(repr(problem).encode()).hexdigest()[:16]
+def _cache_path(problem: SearchProblem, time_budget_s: float) -> Path:
+    """Keyed by the problem, the budget and the cost model's source (a changed model prices
+    plans differently, so its old choices are not reused)."""
+    model_source = b"".join((Path(__file__).parent / name).read_bytes()
+                            for name in ("candidates.py", "costs.py", "memory.py", "search.py"))
+    key = repr((problem, time_budget_s)).encode() + model_source
+    digest = hashlib.sha256(key).hexdigest()[:16]
     root = Path(os.environ.get(environment.CACHE, Path.home() / ".cache" / "realrl"))
     return root.expanduser() / "plan" / f"search-{digest}.json"
 
@@ -101,7 +106,7 @@ def _layouts_from_json(problem: SearchProblem, data: dict) -> dict[str, Layout]:
 def cached_search(problem: SearchProblem, time_budget_s: float) -> SearchResult:
     """`search(problem)`, or the plans a previous search of the same problem found, priced
     again (cheap) so that the report is current."""
-    path = _cache_path(problem)
+    path = _cache_path(problem, time_budget_s)
     if path.is_file():
         cached = json.loads(path.read_text())
         evaluator = Evaluator(problem)
