@@ -62,8 +62,10 @@ def why_runner_up_lost(best: Plan, runner_up: Plan) -> str:
             f"{mine.realloc_s:.3f} -> {entry.realloc_s:.3f} s, ends {mine.finish_s:.3f} -> "
             f"{entry.finish_s:.3f} s")
     share = gap / best.step_seconds if best.step_seconds else 0.0
-    return (f"the runner-up is {gap:.3f} s ({share:.1%}) slower:\n    "
-            + "\n    ".join(parts or ["(no MFC differs)"]))
+    gap_text = f"{gap:.3f} s" if gap >= 1 else f"{gap * 1000:.2f} ms"
+    verdict = (f"the runner-up is {gap_text} ({share:.2%}) slower:" if gap > 1e-9 * best.step_seconds
+               else "the runner-up ties (what it changes is off the critical path):")
+    return verdict + "\n    " + "\n    ".join(parts or ["(no MFC differs)"])
 
 
 def describe(problem: SearchProblem, result: SearchResult, show: int = 3) -> str:

@@ -21,7 +21,7 @@ def test_the_explorer_prints_the_best_plans_their_timelines_and_why_the_runner_u
     assert text.count("allocation_mode='actor_gen:") == 3  # --show 3
     for name in ("actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"):
         assert f"\n  {name} " in text
-    assert "symmetric layout" in text and "why #2 lost: the runner-up is" in text
+    assert "symmetric layout" in text and "why #2 lost: the runner-up " in text
     assert "predicted throughput:" in text
 
 

@@ -102,5 +102,5 @@ def test_the_report_names_what_the_runner_up_changed_and_what_it_cost():
     assert "symmetric layout (d2t1p1 for every MFC on all devices): 205.472 s" in text
     # the runner-up runs both trainers on one device, one after the other: 2 x 94.312 s
     why = text.split("why #2 lost: ", 1)[1]
-    assert why.startswith("the runner-up is 94.312 s (100.0%) slower:")
+    assert why.startswith("the runner-up is 94.312 s (100.00%) slower:")
     assert "instead of d1t1p1@" in why and "ends 94.312 -> 188.624 s" in why
