@@ -344,8 +344,8 @@ class PlanSearchConfig:
         "cached in $REALRL_CACHE/plan), else the GPU that nvidia-smi names (h100 if unknown)."
     )
     time_budget_s: float = help_field(
-        3.0, "Seconds the search may spend when the plans are too many to enumerate (the "
-        "result is cached per graph, model shapes and cluster)."
+        3.0, "CPU seconds the search may spend when the plans are too many to enumerate (the "
+        "result is cached per graph, model shapes, cluster, device and budget)."
     )
     prompt_tokens: int = help_field(
         0, "Prompt length the cost model assumes, in tokens; 0: 8 for the built-in arithmetic "
