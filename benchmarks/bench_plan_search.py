@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--plans", default="", help="comma-free ';'-separated list; default: "
                         "PLANS of the experiment")
+    parser.add_argument("--overrides", default="", help="more key=value overrides, space-"
+                        "separated (e.g. allow_oversubscribe=true for --workers 4 on 2 cores)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     return parser.parse_args(argv)
 
@@ -70,7 +72,7 @@ def overrides(args: argparse.Namespace, experiment: str, plan: str, trial: str) 
         f"total_train_steps={args.steps}", "wandb.mode=disabled", "tensorboard=false",
         f"output_root={args.work_dir / 'runs'}", "experiment_name=plan-search",
         f"trial_name={trial}", "share_idle_cores=false",
-        *(GRPO if experiment == "grpo" else []),
+        *(GRPO if experiment == "grpo" else []), *args.overrides.split(),
     ]
 
 
