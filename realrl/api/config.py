@@ -382,6 +382,37 @@ class RolloutConfig:
 
 
 @dataclass
+class PlanSearchConfig:
+    """`allocation_mode=search` (`realrl.plan`): the cost model's device and the search's budget."""
+
+    device: str = help_field(
+        "auto", "Device the cost model assumes: auto | cpu | h100 | h200 | a100. auto: cpu for "
+        "CPU workers (measured once on this machine by `python -m realrl.plan.calibrate`, "
+        "cached in $REALRL_CACHE/plan), else the GPU that nvidia-smi names (h100 if unknown)."
+    )
+    time_budget_s: float = help_field(
+        3.0, "CPU seconds the search may spend when the plans are too many to enumerate (the "
+        "result is cached per graph, model shapes, cluster, device and budget)."
+    )
+    prompt_tokens: int = help_field(
+        0, "Prompt length the cost model assumes, in tokens; 0: 8 for the built-in arithmetic "
+        "data, else half of `dataset.max_prompt_len`."
+    )
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        devices = ("auto", "cpu", "h100", "h200", "a100")
+        if self.device not in devices:
+            problems.append(f"`{prefix}.device={self.device}` is not one of {', '.join(devices)}.")
+        if self.time_budget_s <= 0:
+            problems.append(f"`{prefix}.time_budget_s={self.time_budget_s}` must be > 0.")
+        if self.prompt_tokens < 0:
+            problems.append(f"`{prefix}.prompt_tokens={self.prompt_tokens}` must be >= 0 (0: "
+                            "estimate).")
+        return problems
+
+
+@dataclass
 class BaseExperimentConfig:
     """Keys every experiment has. Experiments subclass this and add their own sections."""
 
@@ -408,12 +439,17 @@ class BaseExperimentConfig:
     )
     allocation_mode: str = help_field(
         "auto",
-        "Parallel layout: 'auto', a global layout such as 'd2t1', or per-MFC layouts such as "
-        "'actor_gen:d2,actor_train:d1t2,*:d2' (optionally '@0-1' to pin ranks). 'auto' runs "
+        "Parallel layout: 'auto', 'search', a global layout such as 'd2t1', or per-MFC layouts "
+        "such as 'actor_gen:d2,actor_train:d1t2,*:d2' (optionally '@0-1' to pin ranks). "
+        "'search' chooses each MFC's layout by predicted step time (`plan.*`, "
+        "docs/plan_search.md). 'auto' runs "
         "every MFC data parallel over all workers, except that on CPU workers a graph that "
         "trains two models (PPO's actor and critic) runs each model's calls on its own half "
         "of the workers, generation on all of them (CPU workers: a local run on a machine "
         "without GPUs, or mode=slurm with slurm.gpu_request=none).",
+    )
+    plan: PlanSearchConfig = help_field(
+        PlanSearchConfig(), "allocation_mode=search: the cost model's device and the search budget."
     )
     pipeline_rollout: bool = help_field(
         False,
@@ -562,6 +598,7 @@ class BaseExperimentConfig:
                 "GPU's memory (CPU: the machine's share per worker)."
             )
         problems += self.watchdog.validate("watchdog")
+        problems += self.plan.validate("plan")
         return problems
 
     @property

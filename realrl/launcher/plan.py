@@ -24,6 +24,8 @@ from realrl.api.config import BaseExperimentConfig, ConfigError, LaunchMode
 from realrl.api.dfg import DataflowGraph, MFCKind
 from realrl.api.experiment import ExperimentSpec, ModelKind
 from realrl.api.lora import lora_plan_problems
+from realrl.plan.choose import cached_search, launch_problem
+from realrl.plan.report import describe as describe_search
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class LaunchPlan:
     graph: DataflowGraph
     allocations: dict[str, MFCAllocation]
     workers: list[WorkerLayout]
+    search_report: str | None = None  # allocation_mode=search: the plans and their timelines
 
     @property
     def run_dir(self) -> Path:
@@ -57,6 +60,8 @@ class LaunchPlan:
         ]
         if self.spec.notes:
             parts.append("# notes\n" + "\n".join(f"- {note}" for note in self.spec.notes))
+        if self.search_report is not None:
+            parts.append("# plan search (allocation_mode=search)\n" + self.search_report)
         parts.append("# allocations\n" + format_allocation_table(self.allocations))
         lines = [f"rank {w.rank} (node {w.node}, device {w.device}): roles {', '.join(w.roles)}; "
                  f"MFCs {', '.join(w.mfcs)}" for w in self.workers]
@@ -237,13 +242,35 @@ def sequence_parallel_problems(
     return problems
 
 
+def searched_allocation_mode(config: BaseExperimentConfig, spec: ExperimentSpec,
+                             graph: DataflowGraph) -> tuple[str, str]:
+    """``allocation_mode=search``: the fastest predicted plan's allocation_mode string and
+    the search's report (`realrl.plan`)."""
+    if config.pipeline_rollout or config.rollout.is_async:
+        raise ConfigError([
+            f"`allocation_mode=search` predicts synchronous steps, and `{_overlap_setting(config)}` "
+            "overlaps the rollout with training; use allocation_mode=auto, or an explicit one"])
+    try:
+        problem = launch_problem(config, spec, graph, workers_without_gpus(config))
+        result = cached_search(problem, config.plan.time_budget_s)
+    except ValueError as error:
+        raise ConfigError([f"`allocation_mode=search`: {error}"]) from None
+    best = result.plans[0]
+    logger.info("allocation_mode=search: %s (predicted %.3f s per step)",
+                best.allocation_mode(), best.step_seconds)
+    return best.allocation_mode(), describe_search(problem, result)
+
+
 def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     spec = config.build()
     graph = spec.graph()
     problems: list[str] = []
     mode = config.allocation_mode
+    search_report = None
     overlapped = config.pipeline_rollout or config.rollout.is_async
-    if overlapped and mode.strip() == "auto" and config.n_workers > 1:
+    if mode.strip() == "search":
+        mode, search_report = searched_allocation_mode(config, spec, graph)
+    elif overlapped and mode.strip() == "auto" and config.n_workers > 1:
         mode = split_allocation_mode(_train_mfcs(graph), config.n_workers)
         logger.info("allocation_mode=auto with %s: %s", _overlap_setting(config), mode)
     elif mode.strip() == "auto" and workers_without_gpus(config):
@@ -285,4 +312,4 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
         roles = sorted({graph.mfcs[name].model_role for name in mfcs})
         workers.append(WorkerLayout(rank, rank // config.n_devices_per_node,
                                     rank % config.n_devices_per_node, roles, mfcs))
-    return LaunchPlan(config, spec, graph, allocations, workers)
+    return LaunchPlan(config, spec, graph, allocations, workers, search_report)

@@ -1,0 +1,138 @@
+"""Predicted against measured step time for `allocation_mode=search` and other allocations.
+
+Issue 27's validation. For `ppo-math` PPO (actor, critic, reference, rule reward) and GRPO
+(`ppo.disable_value=true ppo.adv_estimator=grpo ppo.kl_ctl=0`) on `--workers` CPU model
+workers, each allocation in `--plans` (the searched one, `auto`, and hand-written ones that
+the test suite and the benchmarks use) runs `--steps` steps through the real CLI; the
+measured step is the median of `timing/step_s` over the steps after the first (warm-up). The
+prediction is `realrl.plan`'s for the same allocation, on the same machine profile the
+launcher uses (`$REALRL_CACHE/plan/cpu-*.json`). Responses are forced to
+`gen.max_new_tokens` tokens (`gen.min_new_tokens` equal to it), and each worker keeps its own
+core (`share_idle_cores=false`: a call alone on the machine does not borrow the idle
+workers' threads), as the cost model assumes.
+
+    .venv/bin/python benchmarks/bench_plan_search.py --experiments ppo,grpo --steps 8
+
+Prints one markdown table per experiment and writes `results.json` in `--work-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import realrl.experiments  # noqa: F401  (registers ppo-math)
+from realrl.api.allocation_mode import parse_allocation_mode
+from realrl.apps.quickstart import get_experiment, resolve_config
+from realrl.launcher.preflight import prepare_launch
+from realrl.plan.choose import launch_problem
+from realrl.plan.costs import Layout
+from realrl.plan.search import Evaluator
+
+logger = logging.getLogger("bench_plan_search")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GRPO = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"]
+PLANS = {
+    "ppo": ["search", "auto", "d2", "*:d1@0", "actor_gen:d2,actor_train:d1@0,*:d2",
+            "actor_train:d1@1,*:d1@0", "actor_gen:d2,actor_train:d1@1,critic_train:d1@0,*:d2",
+            "d1t2"],
+    "grpo": ["search", "auto", "d2", "*:d1@0", "actor_gen:d2,actor_train:d1@0,*:d2",
+             "actor_train:d1@1,*:d1@0", "actor_gen:d1@0,*:d2", "d1t2"],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", default="/tmp/realrl-bench-plan-search")
+    parser.add_argument("--experiments", default="ppo,grpo")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--plans", default="", help="comma-free ';'-separated list; default: "
+                        "PLANS of the experiment")
+    parser.add_argument("--overrides", default="", help="more key=value overrides, space-"
+                        "separated (e.g. allow_oversubscribe=true for --workers 4 on 2 cores)")
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    return parser.parse_args(argv)
+
+
+def overrides(args: argparse.Namespace, experiment: str, plan: str, trial: str) -> list[str]:
+    return [
+        "dataset.batch_size=" + str(args.batch_size), f"group_size={args.group_size}",
+        f"gen.max_new_tokens={args.max_new_tokens}", f"gen.min_new_tokens={args.max_new_tokens}",
+        f"n_devices_per_node={args.workers}", f"allocation_mode='{plan}'",
+        f"total_train_steps={args.steps}", "wandb.mode=disabled", "tensorboard=false",
+        f"output_root={args.work_dir / 'runs'}", "experiment_name=plan-search",
+        f"trial_name={trial}", "share_idle_cores=false",
+        *(GRPO if experiment == "grpo" else []), *args.overrides.split(),
+    ]
+
+
+def predicted(args: argparse.Namespace, experiment: str, plan: str) -> tuple[float, str]:
+    """(predicted step seconds, the allocation_mode the plan resolves to)."""
+    entry = get_experiment("ppo-math")
+    config = resolve_config(entry.config_class, overrides(args, experiment, plan, "predict"),
+                            [], defaults={"experiment_name": entry.name})
+    launch = prepare_launch(config)
+    problem = launch_problem(config, launch.spec, launch.graph, cpu_workers=True)
+    layouts = {name: Layout(allocation.mesh, allocation.strategy,
+                            problem.works[name].microbatch_choices[0])
+               for name, allocation in launch.allocations.items()}
+    layouts = {name: layouts[name] for name in problem.works}
+    plan_result = Evaluator(problem).plan(layouts)
+    resolved = ",".join(layout.text(name) for name, layout in layouts.items())
+    parse_allocation_mode(resolved, list(layouts), 1, args.workers)  # round-trips
+    return plan_result.step_seconds, resolved
+
+
+def measured(args: argparse.Namespace, experiment: str, plan: str, trial: str) -> float:
+    command = [sys.executable, "-m", "realrl.apps.quickstart", "ppo-math",
+               *overrides(args, experiment, plan, trial)]
+    log_file = args.work_dir / "logs" / f"{trial}.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w") as log:
+        completed = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   timeout=args.timeout_s)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{trial} exited with {completed.returncode}; see {log_file}")
+    metrics = args.work_dir / "runs" / "plan-search" / trial / "metrics.jsonl"
+    steps = [json.loads(line)["timing/step_s"] for line in metrics.read_text().splitlines()]
+    return statistics.median(steps[1:] or steps)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    args.work_dir = Path(args.work_dir).resolve()
+    results = []
+    for experiment in args.experiments.split(","):
+        plans = args.plans.split(";") if args.plans else PLANS[experiment]
+        for index, plan in enumerate(plans):
+            prediction, resolved = predicted(args, experiment, plan)
+            step = measured(args, experiment, plan, f"{experiment}-{index}")
+            load = os.getloadavg()[0]
+            results.append({"experiment": experiment, "plan": plan, "resolved": resolved,
+                            "predicted_s": prediction, "measured_s": step, "load": load})
+            logger.info("%s", results[-1])
+    (args.work_dir / "results.json").write_text(json.dumps(results, indent=1))
+    for experiment in args.experiments.split(","):
+        rows = [r for r in results if r["experiment"] == experiment]
+        lines = [f"{experiment}:", "| allocation_mode | resolved | predicted s | measured s | "
+                 "error | load |", "|" + "---|" * 6]
+        for r in rows:
+            error = r["predicted_s"] / r["measured_s"] - 1
+            lines.append(f"| `{r['plan']}` | `{r['resolved']}` | {r['predicted_s']:.3f} | "
+                         f"{r['measured_s']:.3f} | {error:+.0%} | {r['load']:.1f} |")
+        sys.stdout.write("\n".join(lines) + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""Search over per-MFC layouts for the shortest predicted step (ReaLHF's search, Mei et al.
+2024, section 5: a step simulated over the dataflow graph, Metropolis moves over one MFC's
+allocation at a time).
+
+A plan gives every MFC one `Layout`. Its step is simulated in graph order: an MFC starts once
+the MFCs it reads from have finished and every device of its mesh is free (a device runs one
+call at a time; MFCs on disjoint meshes overlap), first moves its role's newest weights onto
+its layout when the role is trained elsewhere (`realrl.plan.costs.realloc_seconds`), then runs
+for `mfc_seconds`. A plan whose peak memory on any device exceeds the limit is never returned.
+
+Small spaces are enumerated; larger ones get simulated annealing from the best symmetric plan
+for 60% of the time budget, then a coordinate-descent polish (each MFC's best layout with the
+others fixed, until nothing improves) for the rest. The budget counts this process's CPU
+seconds, so that a search on a loaded machine looks as far as on a quiet one (and takes longer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+import time
+
+from realrl.plan.candidates import candidate_layouts
+from realrl.plan.costs import Cluster, Layout, MFCWork, WorkKind, mfc_seconds, realloc_seconds
+from realrl.plan.memory import peak_bytes_array, peak_bytes_per_device
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchProblem:
+    works: dict[str, MFCWork]  # in the graph's (topological) order
+    dependencies: dict[str, tuple[str, ...]]  # MFC -> the MFCs whose outputs it reads
+    cluster: Cluster
+    allow_pipeline: bool = False  # the torch backend runs no pipeline parallelism
+    shard_optimizer: bool = False  # megatron-core's distributed optimizer
+    microbatch_choices: tuple[int, ...] = (1, 2, 4, 8)
+    memory_limit_bytes: float | None = None  # None: the device's memory
+
+    @property
+    def memory_limit(self) -> float:
+        return self.memory_limit_bytes or self.cluster.device.memory_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelineEntry:
+    name: str
+    start_s: float
+    realloc_s: float  # weights moved onto this layout before the call
+    run_s: float  # the call itself (compute and communication)
+
+    @property
+    def finish_s(self) -> float:
+        return self.start_s + self.realloc_s + self.run_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    layouts: dict[str, Layout]
+    step_seconds: float  # inf when over the memory limit
+    timeline: tuple[TimelineEntry, ...]
+    peak_bytes: float  # the largest device's
+
+    def allocation_mode(self) -> str:
+        return ",".join(layout.text(name) for name, layout in self.layouts.items())
+
+
+class Evaluator:
+    """Predicts plans of one problem; caches each MFC's per-layout seconds."""
+
+    def __init__(self, problem: SearchProblem):
+        self.problem = problem
+        self._seconds: dict[tuple[str, Layout], float] = {}
+        self._trainer = {work.role: name for name, work in problem.works.items()
+                         if work.kind == WorkKind.train_step}
+        self.evaluations = 0
+
+    def seconds(self, name: str, layout: Layout) -> float:
+        key = (name, layout)
+        if key not in self._seconds:
+            self._seconds[key] = mfc_seconds(self.problem.works[name], layout,
+                                             self.problem.cluster)
+        return self._seconds[key]
+
+    def realloc(self, name: str, layouts: dict[str, Layout]) -> float:
+        work = self.problem.works[name]
+        trainer = self._trainer.get(work.role)
+        if trainer is None or trainer == name or work.model is None:
+            return 0.0
+        return realloc_seconds(work.model, work.dtype, layouts[trainer], layouts[name],
+                               self.problem.cluster)
+
+    def timeline(self, layouts: dict[str, Layout]) -> tuple[TimelineEntry, ...]:
+        finished: dict[str, float] = {}
+        device_free: dict[int, float] = {}
+        entries = []
+        for name in self.problem.works:
+            ranks = layouts[name].mesh.ranks
+            start = max([finished[d] for d in self.problem.dependencies.get(name, ())]
+                        + [device_free.get(rank, 0.0) for rank in ranks] + [0.0])
+            entry = TimelineEntry(name, start, self.realloc(name, layouts),
+                                  self.seconds(name, layouts[name]))
+            finished[name] = entry.finish_s
+            for rank in ranks:
+                device_free[rank] = entry.finish_s
+            entries.append(entry)
+        return tuple(entries)
+
+    def plan(self, layouts: dict[str, Layout]) -> Plan:
+        self.evaluations += 1
+        peak = float(peak_bytes_array(self.problem.works, layouts,
+                                      self.problem.shard_optimizer).max())
+        timeline = self.timeline(layouts)
+        step = max(entry.finish_s for entry in timeline)
+        if peak > self.problem.memory_limit:
+            step = math.inf
+        return Plan(dict(layouts), step, timeline, peak)
+
+
+@dataclasses.dataclass
+class SearchResult:
+    plans: list[Plan]  # the best first, distinct, all within the memory limit
+    symmetric: Plan | None  # the best plan with one layout for every MFC on the whole cluster
+    space_size: int
+    evaluations: int
+    exhaustive: bool
+    elapsed_s: float  # CPU seconds
+
+
+def candidates_of(problem: SearchProblem) -> dict[str, list[Layout]]:
+    """Each MFC's layouts that fit in memory on their own (the plan's check adds the rest)."""
+    found = {}
+    for name, work in problem.works.items():
+        layouts = candidate_layouts(work, problem.cluster, problem.allow_pipeline,
+                                    problem.microbatch_choices)
+        fitting = [layout for layout in layouts
+                   if max(peak_bytes_per_device({name: work}, {name: layout},
+                                                problem.shard_optimizer).values(), default=0.0)
+                   <= problem.memory_limit]
+        found[name] = fitting
+    return found
+
+
+def best_symmetric(evaluator: Evaluator, candidates: dict[str, list[Layout]]) -> Plan | None:
+    """Every MFC on the whole cluster with one data x tensor x pipeline split (each MFC's best
+    micro-batch count): the layout a system without per-MFC allocation would use."""
+    size = evaluator.problem.cluster.size
+    by_strategy: dict = {}
+    for name, layouts in candidates.items():
+        for layout in layouts:
+            if layout.mesh.size == size:
+                by_strategy.setdefault(layout.strategy, {}).setdefault(name, []).append(layout)
+    best = None
+    for per_mfc in by_strategy.values():
+        if len(per_mfc) != len(candidates):
+            continue
+        choice = {name: min(per_mfc[name], key=lambda lay, n=name: evaluator.seconds(n, lay))
+                  for name in candidates}
+        plan = evaluator.plan(choice)
+        if best is None or plan.step_seconds < best.step_seconds:
+            best = plan
+    return best
+
+
+def _plan_key(layouts: dict[str, Layout]) -> tuple:
+    """The plan up to renumbering devices (ranks numbered by first use, MFC by MFC) and
+    micro-batch counts: two plans with one key are the same plan on swapped devices."""
+    numbering: dict[int, int] = {}
+    key = []
+    for name, layout in layouts.items():
+        for rank in layout.mesh.ranks:
+            numbering.setdefault(rank, len(numbering))
+        key.append((name, tuple(sorted(numbering[rank] for rank in layout.mesh.ranks)),
+                    layout.strategy))
+    return tuple(key)
+
+
+class _Keeper:
+    """The `keep` best feasible plans seen that differ in more than micro-batch counts or a
+    renumbering of the devices (`_plan_key`); of plans with one key the fastest is kept."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.plans: dict[tuple, Plan] = {}
+
+    def offer(self, plan: Plan) -> None:
+        if math.isinf(plan.step_seconds):
+            return
+        key = _plan_key(plan.layouts)
+        if key not in self.plans or plan.step_seconds < self.plans[key].step_seconds:
+            self.plans[key] = plan
+        if len(self.plans) > 4 * self.keep:
+            self.plans = dict(sorted(self.plans.items(),
+                                     key=lambda item: item[1].step_seconds)[: self.keep])
+
+    def best(self) -> list[Plan]:
+        return sorted(self.plans.values(), key=lambda plan: plan.step_seconds)[: self.keep]
+
+
+def _polish(evaluator: Evaluator, candidates: dict[str, list[Layout]], plan: Plan,
+            keeper: _Keeper, deadline: float) -> Plan:
+    """Coordinate descent: give each MFC its best layout with the others fixed, until none
+    improves or the deadline passes."""
+    improved = True
+    while improved:
+        improved = False
+        for name, layouts in candidates.items():
+            if time.process_time() > deadline:
+                return plan
+            for layout in layouts:
+                trial = evaluator.plan({**plan.layouts, name: layout})
+                keeper.offer(trial)
+                if trial.step_seconds < plan.step_seconds * (1 - 1e-9):
+                    plan, improved = trial, True
+    return plan
+
+
+def _anneal(evaluator: Evaluator, candidates: dict[str, list[Layout]], start: Plan,
+            keeper: _Keeper, time_budget_s: float, max_evaluations: int, seed: int) -> Plan:
+    """Metropolis moves (one MFC's layout at a time) at a temperature, relative to the current
+    step time, cooling from 0.3 to 0.003 over the budget."""
+    generator = random.Random(seed)
+    names = list(candidates)
+    current = best = start
+    deadline = time.process_time() + time_budget_s
+    for iteration in range(max_evaluations):
+        progress = max(iteration / max_evaluations,
+                       1 - (deadline - time.process_time()) / max(time_budget_s, 1e-9))
+        if progress >= 1:
+            break
+        temperature = 0.3 * (0.01 ** progress)
+        name = generator.choice(names)
+        trial = evaluator.plan({**current.layouts, name: generator.choice(candidates[name])})
+        keeper.offer(trial)
+        if math.isinf(trial.step_seconds):
+            continue
+        delta = (trial.step_seconds - current.step_seconds) / current.step_seconds
+        if delta <= 0 or generator.random() < math.exp(-delta / temperature):
+            current = trial
+            if current.step_seconds < best.step_seconds:
+                best = current
+    return best
+
+
+def _feasible_start(evaluator: Evaluator, candidates: dict[str, list[Layout]],
+                    seed: int) -> Plan | None:
+    generator = random.Random(seed)
+    for _ in range(2000):
+        plan = evaluator.plan({n: generator.choice(c) for n, c in candidates.items()})
+        if not math.isinf(plan.step_seconds):
+            return plan
+    return None
+
+
+def search(problem: SearchProblem, time_budget_s: float = 3.0, keep: int = 5,
+           exhaustive_limit: int = 20000, max_evaluations: int = 200000,
+           seed: int = 0) -> SearchResult:
+    """The `keep` fastest plans found (see the module docstring). Raises ValueError when no
+    plan fits in memory, naming the MFCs with no layout that fits on its own."""
+    started = time.process_time()
+    evaluator = Evaluator(problem)
+    candidates = candidates_of(problem)
+    empty = [name for name, layouts in candidates.items() if not layouts]
+    if empty:
+        raise ValueError(f"no layout of MFC(s) {', '.join(empty)} fits in "
+                         f"{problem.memory_limit / 2**30:.1f} GiB per device on "
+                         f"{problem.cluster.size} device(s); use more devices, bfloat16, or "
+                         "pipeline parallelism")
+    space_size = math.prod(len(layouts) for layouts in candidates.values())
+    keeper = _Keeper(keep)
+    symmetric = best_symmetric(evaluator, candidates)
+    if symmetric is not None:
+        keeper.offer(symmetric)
+    exhaustive = space_size <= exhaustive_limit
+    if exhaustive:
+        names = list(candidates)
+        for choice in itertools.product(*candidates.values()):
+            keeper.offer(evaluator.plan(dict(zip(names, choice))))
+    else:
+        start = symmetric if symmetric and not math.isinf(symmetric.step_seconds) else \
+            _feasible_start(evaluator, candidates, seed)
+        if start is not None:
+            annealed = _anneal(evaluator, candidates, start, keeper, 0.6 * time_budget_s,
+                               max_evaluations, seed)
+            _polish(evaluator, candidates, annealed, keeper, started + time_budget_s)
+    if symmetric is not None and math.isinf(symmetric.step_seconds):
+        symmetric = None
+    plans = keeper.best()
+    if not plans:
+        raise ValueError(f"no plan fits in {problem.memory_limit / 2**30:.1f} GiB per device "
+                         f"on {problem.cluster.size} device(s) (every MFC fits alone, but not "
+                         "together); use more devices, bfloat16, or more micro-batches")
+    return SearchResult(plans, symmetric, space_size, evaluator.evaluations, exhaustive,
+                        time.process_time() - started)

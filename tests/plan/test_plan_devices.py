@@ -1,0 +1,38 @@
+"""Device descriptions: analytic GPUs from datasheets, this machine's CPU from a cached profile."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from realrl.plan import devices
+
+
+def test_an_analytic_h100_takes_55_percent_of_its_dense_peak_and_80_percent_of_bandwidth():
+    h100 = devices.analytic_device("h100")
+    assert h100.flops("bfloat16") == pytest.approx(0.55 * 989e12)
+    assert h100.memory_bandwidth_bytes_per_s == pytest.approx(0.8 * 3.35e12)
+    # NVLink 450 GB/s per direction within a node, one 400 Gb/s NIC per GPU between nodes
+    assert h100.intra_node.bandwidth_bytes_per_s == pytest.approx(0.8 * 450e9)
+    assert h100.inter_node.bandwidth_bytes_per_s == pytest.approx(0.8 * 50e9)
+    with pytest.raises(KeyError, match="unknown device kind 'v100'; known: h100, h200, a100"):
+        devices.analytic_device("v100")
+    with pytest.raises(KeyError, match="has no FLOP/s for dtype 'int8'"):
+        h100.flops("int8")
+
+
+def test_the_cpu_profile_is_read_from_the_cache_per_machine_and_thread_count(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("REALRL_CACHE", str(tmp_path))
+    profile = {"threads": 2, "matmul_float32_flops_per_s": 1e11,
+               "matmul_bfloat16_flops_per_s": 2e11, "copy_bytes_per_s": 1e10,
+               "layer_overhead_s": 1e-4}
+    path = devices.profile_cache_path(2)
+    assert path.parent == tmp_path / "plan" and path.name.startswith("cpu-2t-")
+    assert devices.profile_cache_path(1) != path
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(profile))
+    cpu = devices.cpu_device(2, memory_bytes=8e9)  # no profiling run: the cache answers
+    assert cpu.flops("float32") == 1e11 and cpu.flops("bfloat16") == 2e11
+    assert cpu.memory_bytes == 8e9 and cpu.kernel_overhead_s == 1e-4 and not cpu.is_gpu

@@ -1,0 +1,106 @@
+"""The search finds known optima on small synthetic problems and never returns a plan over
+the memory limit (model and device: `plan_fixtures`)."""
+
+from __future__ import annotations
+
+import pytest
+from plan_fixtures import cluster, work
+
+from realrl.plan.costs import WorkKind
+from realrl.plan.memory import peak_bytes_per_device
+from realrl.plan.report import describe
+from realrl.plan.search import SearchProblem, search
+
+
+def two_trainers(memory_bytes: float = 1e12) -> SearchProblem:
+    """Two independent train calls of different roles on 2 devices of one node."""
+    works = {"actor_train": work(WorkKind.train_step, name="actor_train", role="actor"),
+             "critic_train": work(WorkKind.train_step, name="critic_train", role="critic")}
+    return SearchProblem(works, {}, cluster(n_devices_per_node=2, memory_bytes=memory_bytes))
+
+
+def test_independent_trainers_go_side_by_side_when_gradient_sums_are_slow():
+    # Each alone on one device: 94.312 s, both at once. Both d2 on both devices: 47.656 s of
+    # compute + 55.08 s of gradient sum each, one after the other: 205.5 s.
+    result = search(two_trainers())
+    assert result.exhaustive
+    best = result.plans[0]
+    assert best.step_seconds == pytest.approx(94.312)
+    actor, critic = best.layouts["actor_train"], best.layouts["critic_train"]
+    assert actor.mesh.size == critic.mesh.size == 1 and actor.mesh != critic.mesh
+    assert result.symmetric is not None
+    assert result.symmetric.step_seconds == pytest.approx(2 * (47.656 + 55.08))
+
+
+def test_no_returned_plan_exceeds_the_memory_limit():
+    # One device: a trainer d1 with 1 micro-batch peaks at 21632 + 19392 = 41024 B, with 2 at
+    # 21632 + 9696 = 31328 B (test_plan_memory). Sweep limits around and below those.
+    for limit in (1e12, 41024, 41023, 35000, 31328, 30000, 20000):
+        problem = two_trainers(memory_bytes=limit)
+        try:
+            result = search(problem, keep=10)
+        except ValueError as error:
+            assert "fits" in str(error)
+            continue
+        for plan in result.plans:
+            peaks = peak_bytes_per_device(problem.works, plan.layouts)
+            assert max(peaks.values()) <= limit, (limit, plan.allocation_mode())
+
+
+def test_a_tight_limit_forces_micro_batches_and_an_impossible_one_names_the_mfcs():
+    result = search(two_trainers(memory_bytes=35000))
+    layouts = result.plans[0].layouts
+    assert all(layout.num_microbatches == 2 or layout.strategy.data == 2
+               for layout in layouts.values())
+    with pytest.raises(ValueError, match="actor_train, critic_train"):
+        search(two_trainers(memory_bytes=20000))
+
+
+def test_annealing_finds_the_exhaustive_optimum_of_a_small_rlhf_graph():
+    works = {
+        "actor_gen": work(WorkKind.generate, name="actor_gen", num_sequences=4,
+                          role_is_trained=True),
+        "ref_inf": work(WorkKind.inference, name="ref_inf", role="ref", num_sequences=4),
+        "reward": work(WorkKind.rule, name="reward", role="reward", model=None, num_sequences=4),
+        "actor_train": work(WorkKind.train_step, name="actor_train", num_sequences=4,
+                            role_is_trained=True),
+    }
+    dependencies = {"ref_inf": ("actor_gen",), "reward": ("actor_gen",),
+                    "actor_train": ("ref_inf", "reward")}
+    problem = SearchProblem(works, dependencies, cluster(n_nodes=2, n_devices_per_node=2,
+                                                         overhead_s=0.3))
+    exhaustive = search(problem)
+    assert exhaustive.exhaustive
+    annealed = search(problem, exhaustive_limit=0, time_budget_s=60, max_evaluations=3000)
+    assert not annealed.exhaustive
+    assert annealed.plans[0].step_seconds == pytest.approx(exhaustive.plans[0].step_seconds)
+    # the best plan beats every symmetric one, and the plans come best first
+    assert exhaustive.plans[0].step_seconds < exhaustive.symmetric.step_seconds
+    steps = [plan.step_seconds for plan in exhaustive.plans]
+    assert steps == sorted(steps) and len(steps) == 5
+
+
+def test_the_timeline_waits_for_inputs_and_for_the_mesh():
+    works = {"actor_gen": work(WorkKind.generate, name="actor_gen", role_is_trained=True),
+             "actor_train": work(WorkKind.train_step, name="actor_train",
+                                 role_is_trained=True)}
+    result = search(SearchProblem(works, {"actor_train": ("actor_gen",)},
+                                  cluster(n_devices_per_node=1)))
+    generate, train = result.plans[0].timeline
+    assert generate.start_s == 0.0 and generate.realloc_s == 0.0  # the same layout: no move
+    assert train.start_s == pytest.approx(generate.finish_s)
+    # 30.912 s generating (test_plan_costs) + 94.312 s training
+    assert result.plans[0].step_seconds == pytest.approx(30.912 + 94.312)
+
+
+def test_the_report_names_what_the_runner_up_changed_and_what_it_cost():
+    problem = two_trainers()
+    result = search(problem)
+    text = describe(problem, result)
+    assert f"#1: {result.plans[0].step_seconds:.3f} s per step" in text
+    assert "allocation_mode='actor_train:d1t1p1@" in text
+    assert "symmetric layout (d2t1p1 for every MFC on all devices): 205.472 s" in text
+    # the runner-up runs both trainers on one device, one after the other: 2 x 94.312 s
+    why = text.split("why #2 lost: ", 1)[1]
+    assert why.startswith("the runner-up is 94.312 s (100.00%) slower:")
+    assert "instead of d1t1p1@" in why and "ends 94.312 -> 188.624 s" in why
