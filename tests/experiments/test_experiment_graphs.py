@@ -3,6 +3,7 @@ import pytest
 from realrl.api.config import ConfigError, resolve_config
 from realrl.api.dfg import ParamReallocHook
 from realrl.api.registry import get_experiment
+from realrl.experiments.dpo import DPOExperimentConfig
 from realrl.experiments.ppo_math import PPOMathConfig
 
 SIX_MFCS = {"actor_gen", "rew_inf", "ref_inf", "critic_inf", "actor_train", "critic_train"}
@@ -89,3 +90,16 @@ def test_ppo_agent_refuses_what_episodes_cannot_run(overrides, problem):
     with pytest.raises(ConfigError) as caught:
         resolve_config(entry.config_class, overrides, defaults={"experiment_name": "ppo-agent"})
     assert any(problem in text for text in caught.value.problems), caught.value.problems
+
+
+def test_dpo_with_a_lora_actor_takes_the_actors_base_as_its_reference():
+    models = resolve_config(DPOExperimentConfig, ["actor.path=/m", "actor.lora.rank=4"]).build().models
+    assert models["ref"].shares_base_with == "actor"
+    for other in (["actor.path=/m"], ["actor.path=/m", "actor.lora.rank=4", "ref.path=/other"],
+                  ["actor.path=/m", "actor.lora.rank=4", "ref.dtype=bfloat16"]):
+        assert resolve_config(DPOExperimentConfig, other).build().models["ref"].shares_base_with is None, other
+    with pytest.raises(ConfigError) as error:
+        resolve_config(DPOExperimentConfig, ["actor.path=/m", "actor.lora.rank=4", "ref.lora.rank=2",
+                             "ref.offload=true"])
+    assert "`ref.lora.rank=2`: the reference does not train" in str(error.value)
+    assert "`ref.offload=true` with `actor.lora.rank` > 0" in str(error.value)
