@@ -56,14 +56,14 @@ async def run_in_chunks(master, mfc: MFCDef, result, settings: ChunkSettings) ->
     # The seconds of the chunks' requests only: between two, the ranks serve other requests.
     busy_s, compute_s, first = 0.0, 0.0, True
     while len(outputs) < len(parts):
-        refresh = master._is_stale(mfc)
+        refresh = master.is_stale(mfc)
         ranks = set(allocation.mesh.ranks) | (set(transfer_ranks(owner, layout)) if refresh
                                               else set())
-        async with master._locked(sorted(ranks)):
-            if refresh and master._is_stale(mfc):
-                await master._refresh_layout(mfc, result)
+        async with master.locked(sorted(ranks)):
+            if refresh and master.is_stale(mfc):
+                await master.refresh_layout(mfc, result)
             if first:
-                master._record_policy_lag(mfc, result)
+                master.record_policy_lag(mfc, result)
             request = ChunkRequest(session, settings.decode_steps,
                                    settings.version_offset + master.layout_version[layout],
                                    settings.kv_cache)
@@ -104,7 +104,7 @@ async def _send_chunk(master, mfc: MFCDef, step: int, parts: list[SequenceSample
             header = {"mfc": mfc.name, "step": step, "chunk": request.header()}
             if first:
                 header["data"] = meta
-            calls.append(master._request(rank, Message("mfc", header, tensors), mfc.name, step))
+            calls.append(master.request(rank, Message("mfc", header, tensors), mfc.name, step))
             where.append((dp_rank, rank in heads))
     replies = await asyncio.gather(*calls)
     return [(dp_rank, is_head, reply) for (dp_rank, is_head), reply in zip(where, replies)]

@@ -111,7 +111,7 @@ class Master:
         locks are held until they have the weights, so a rollout on them waits for those.
         """
         for mfc in self.plan.mfcs:
-            if mfc.name in names and self._is_stale(mfc):
+            if mfc.name in names and self.is_stale(mfc):
                 owner, layout = self.plan.owner_layout(mfc.model_role), self.plan.layout_of(mfc.name)
                 ranks = sorted(set(transfer_ranks(owner, layout)))
                 held: list[int] = []
@@ -243,14 +243,14 @@ class Master:
     def _producers(self, keys: tuple[str, ...]) -> list[str]:
         return sorted({self.producer_of[key] for key in keys if key in self.producer_of})
 
-    def _is_stale(self, mfc: MFCDef) -> bool:
+    def is_stale(self, mfc: MFCDef) -> bool:
         """Whether `mfc`'s layout holds older weights than its role's newest."""
         if not self.plan.has_weights(mfc):
             return False
         layout = self.plan.layout_of(mfc.name)
         return self.layout_version[layout] < self.role_version[mfc.model_role]
 
-    async def _refresh_layout(self, mfc: MFCDef, result: StepResult) -> None:
+    async def refresh_layout(self, mfc: MFCDef, result: StepResult) -> None:
         """Parameter reallocation owner -> `mfc`'s layout; the caller holds both sides' locks."""
         layout = self.plan.layout_of(mfc.name)
         await self._transfer(self.plan.owner_layout(mfc.model_role), layout, 1.0, result,
@@ -263,7 +263,7 @@ class Master:
             return
         allocation = self.plan.allocations[mfc.name]
         layout = self.plan.layout_of(mfc.name)
-        refresh = self._is_stale(mfc)
+        refresh = self.is_stale(mfc)
         owner = self.plan.owner_layout(mfc.model_role)
         hooks = [hook for hook in mfc.post_hooks if isinstance(hook, ParamReallocHook)]
         ranks = set(allocation.mesh.ranks)
@@ -272,10 +272,10 @@ class Master:
         for hook in hooks:
             ranks |= set(transfer_ranks(self.plan.owner_layout(hook.source_role),
                                         self.plan.owner_layout(hook.target_role)))
-        async with self._locked(sorted(ranks)):
+        async with self.locked(sorted(ranks)):
             if refresh:
-                await self._refresh_layout(mfc, result)
-            self._record_policy_lag(mfc, result)
+                await self.refresh_layout(mfc, result)
+            self.record_policy_lag(mfc, result)
             started = time.perf_counter()
             await self._dispatch(mfc, result)
             result.timing[mfc.name] = time.perf_counter() - started
@@ -285,7 +285,7 @@ class Master:
             for hook in hooks:
                 await self._run_ema_hook(hook, result, mfc.name)
 
-    def _record_policy_lag(self, mfc: MFCDef, result: StepResult) -> None:
+    def record_policy_lag(self, mfc: MFCDef, result: StepResult) -> None:
         """Remember which weights generated the batch; a train call of the same role reports how
         many train steps older they are than its own (0 in a synchronous run, 1 pipelined)."""
         if mfc.kind == MFCKind.generate:
@@ -302,7 +302,7 @@ class Master:
         self.layout_version[target] = self.role_version[hook.target_role]
 
     @contextlib.asynccontextmanager
-    async def _locked(self, ranks: list[int]):
+    async def locked(self, ranks: list[int]):
         async with contextlib.AsyncExitStack() as stack:
             for rank in ranks:
                 await stack.enter_async_context(self.rank_locks[rank])
@@ -337,7 +337,7 @@ class Master:
 
         async def on_rank(rank: int) -> None:
             try:
-                await self._request(rank, Message("transfer", header), label, result.step)
+                await self.request(rank, Message("transfer", header), label, result.step)
             except Exception as error:
                 if not release_locks:
                     raise
@@ -349,7 +349,7 @@ class Master:
         await asyncio.gather(*(on_rank(rank) for rank in transfer_ranks(source, target)))
         result.timing[label] = result.timing.get(label, 0.0) + time.perf_counter() - started
 
-    async def _request(self, rank: int, message: Message, name: str | None = None,
+    async def request(self, rank: int, message: Message, name: str | None = None,
                        step: int | None = None) -> Message:
         """Send `message` to `rank` and return its reply; `name` (the MFC or transfer, default
         the message kind) and `step` say what the call is while it is in flight."""
@@ -361,8 +361,8 @@ class Master:
         """Run train MFC `mfc`'s forward on its `forward_keys` before its other inputs exist;
         its workers keep the graph for the train call. Skipped when the call's layout is not
         up to date: the train call then refreshes it and runs its own forward."""
-        async with self._locked(sorted(self.plan.allocations[mfc.name].mesh.ranks)):
-            if self._is_stale(mfc):
+        async with self.locked(sorted(self.plan.allocations[mfc.name].mesh.ranks)):
+            if self.is_stale(mfc):
                 return
             started = time.perf_counter()
             await self._dispatch(mfc, result, ahead=True)
@@ -379,7 +379,7 @@ class Master:
                 header = ({"mfc": mfc.name, "data": meta, "step": result.step}
                           | ({"ahead": True} if ahead else {}))
                 name = f"{mfc.name}/forward" if ahead else mfc.name
-                requests.append(self._request(rank, Message("mfc", header, tensors), name,
+                requests.append(self.request(rank, Message("mfc", header, tensors), name,
                                               result.step))
                 heads.append(rank in allocation.dp_head_ranks())
         replies = await asyncio.gather(*requests)
@@ -415,7 +415,7 @@ class Master:
         the first failure: a failed save removes its directory only once no worker writes."""
         await self.drain()
         outcomes = await asyncio.gather(
-            *(self._request(rank, Message(kind, header)) for rank in self.clients),
+            *(self.request(rank, Message(kind, header)) for rank in self.clients),
             return_exceptions=True,
         )
         for outcome in outcomes:

@@ -75,7 +75,7 @@ def test_a_failed_background_transfer_stops_the_next_request_and_frees_every_loc
         master = await _refreshed_with_failure(tmp_path, failing_rank=0)
         # The next request for rank 0 waits for its lock, then sees the transfer's error.
         with pytest.raises(RuntimeError, match="worker 0 died during the transfer"):
-            async with master._locked([0]):
+            async with master.locked([0]):
                 pytest.fail("ran a request after a failed transfer")
         assert not any(lock.locked() for lock in master.rank_locks.values())
         await master.drain()  # the failure was reported once, not again at the end

@@ -59,7 +59,7 @@ def test_no_group_trains_more_than_eta_steps_after_the_weights_that_started_it(e
     assert staleness[3 * 6: 3 * 7] == [eta] * 3
 
 
-def _request(groups: int, version: int, stats: dict, generated_by: int, name: str):
+def request(groups: int, version: int, stats: dict, generated_by: int, name: str):
     data = SequenceSample.from_default(
         ids=[f"{name}{i}" for i in range(groups)], seqlens=[2] * groups,
         data={"packed_prompts": torch.arange(2 * groups)},
@@ -71,9 +71,9 @@ def _request(groups: int, version: int, stats: dict, generated_by: int, name: st
 
 
 def test_merge_keeps_data_order_weights_statistics_by_groups_and_the_oldest_version():
-    first = _request(1, 3, {"actor_gen/response_length": 4.0, "actor_gen/peak_memory_gb": 1.0},
+    first = request(1, 3, {"actor_gen/response_length": 4.0, "actor_gen/peak_memory_gb": 1.0},
                      3, "a")
-    second = _request(3, 2, {"actor_gen/response_length": 8.0, "actor_gen/peak_memory_gb": 0.5},
+    second = request(3, 2, {"actor_gen/response_length": 8.0, "actor_gen/peak_memory_gb": 0.5},
                       2, "b")
     merged = merge_requests([first, second], step=7)
     assert merged.data.ids == ["a0", "b0", "b1", "b2"] and merged.step == 7
@@ -84,7 +84,7 @@ def test_merge_keeps_data_order_weights_statistics_by_groups_and_the_oldest_vers
 
 
 def test_staleness_histogram_counts_groups_per_staleness():
-    requests = [_request(1, 3, {}, 3, "a"), _request(3, 2, {}, 2, "b")]
+    requests = [request(1, 3, {}, 3, "a"), request(3, 2, {}, 2, "b")]
     stats = staleness_stats(requests, version=4, max_head_offpolicyness=3)
     # staleness: 4 - 3 = 1 for one group, 4 - 2 = 2 for three: mean (1 + 6) / 4
     assert stats["async/staleness_mean"] == 1.75 and stats["async/staleness_max"] == 2.0
@@ -92,7 +92,7 @@ def test_staleness_histogram_counts_groups_per_staleness():
 
 
 def test_split_into_requests_keeps_the_batch_order():
-    batch = _request(4, 0, {}, 0, "p").result.data
+    batch = request(4, 0, {}, 0, "p").result.data
     assert [part.ids for part in split_into_requests(batch, 2)] == [["p0", "p1"], ["p2", "p3"]]
     assert split_into_requests(batch, 4)[0] is batch
 
@@ -134,7 +134,7 @@ def _versioned_groups() -> SequenceSample:
 
 def test_a_groups_version_is_its_oldest_tokens():
     assert group_versions(_versioned_groups(), default=9) == [3, 3]
-    plain = _request(2, 0, {}, 0, "p").result.data  # no per-token versions: the request's
+    plain = request(2, 0, {}, 0, "p").result.data  # no per-token versions: the request's
     assert group_versions(plain, default=6) == [6, 6]
 
 
@@ -144,4 +144,4 @@ def test_token_staleness_counts_every_generated_token_and_the_interrupted_groups
     # mean 11 / 8; group b spans three versions.
     assert stats == {"async/token_staleness_mean": 11 / 8, "async/token_staleness_max": 2.0,
                      "async/interrupted_groups": 1.0}
-    assert token_staleness_stats(_request(1, 0, {}, 0, "p").result.data, 5) == {}
+    assert token_staleness_stats(request(1, 0, {}, 0, "p").result.data, 5) == {}
