@@ -19,7 +19,7 @@ then only walk what is newer. It freezes:
 The cost: a frozen object that later becomes part of an unreachable reference cycle is never
 freed. Each freeze pins whatever is alive at that moment, so a freeze must come rarely, and not
 while a rolling cache of cyclic objects is alive. The master has no compiler, so it freezes only
-once, after its first step (`HeapFreezer.for_master`): its later heap is small (~10k objects
+once, after its first step (`HeapFreezer.for_master`): its later heap is small (3-5k objects
 between steps), and what lives in it are rolling caches. wandb keeps the last 100 tables it
 logged (one per `log.samples_every_steps`, each with its artifact, manifest and a temporary
 directory, in reference cycles) and lets older ones die. When the master also froze after slow
