@@ -108,7 +108,7 @@ async def _main_loop(run_dir: Path, plan: RunPlan, addresses: dict[int, str],
                                              tokenizer)
     train_mfcs, reward_key, log = plan.train_mfcs(), train_reward_key(plan.mfcs), plan.base.log
     sample_rollouts = generates_rollouts(plan.mfcs)
-    heap = HeapFreezer()
+    heap = HeapFreezer.for_master()
 
     async def end_of_step(step: int, result: StepResult, seconds: float,
                           rollout_wait_s: float | None = None, stop: bool = False) -> None:
