@@ -7,7 +7,11 @@ the timeout each would wait torch's default 30 minutes.
 """
 
 import os
+import queue
+import time
+import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 from rank_processes import environment_for_ranks, rank_context, run_rank
@@ -45,6 +49,22 @@ def two_rank_plan(collective_timeout_s: float) -> RunPlan:
 
 
 def rank_main(rank: int, store_path: str, results, rank0_done) -> None:
+    try:
+        run_collectives(rank, store_path, results, rank0_done)
+    except BaseException:  # a forked rank's stderr is the fork server's: send the cause here
+        results.put((f"rank {rank} failed", traceback.format_exc()))
+        flush_and_exit(results, 1)
+
+
+def flush_and_exit(results, code: int) -> None:
+    """`os._exit` after the queue's feeder thread has written what was put: exiting at once
+    can lose the last result (a put returns before the item reaches the pipe)."""
+    results.close()
+    results.join_thread()
+    os._exit(code)
+
+
+def run_collectives(rank: int, store_path: str, results, rank0_done) -> None:
     torch.set_num_threads(1)
     plan = two_rank_plan(TIMEOUT_S)
     store = dist.FileStore(store_path, 2)
@@ -61,7 +81,7 @@ def rank_main(rank: int, store_path: str, results, rank0_done) -> None:
         except Exception as error:  # gloo's timeout: a RuntimeError
             results.put((name, f"{type(error).__name__}: {error}"))
     rank0_done.set()
-    os._exit(0)  # no teardown collective with a peer that will not answer
+    flush_and_exit(results, 0)  # no teardown collective with a peer that will not answer
 
 
 def test_a_collective_without_its_peer_raises_after_the_configured_timeout(tmp_path):
@@ -74,7 +94,7 @@ def test_a_collective_without_its_peer_raises_after_the_configured_timeout(tmp_p
     for process in processes:
         process.start()
     try:
-        outcomes = [results.get(timeout=120) for _ in range(2)]
+        outcomes = wait_for_outcomes(results, processes, 2, timeout_s=120)
     finally:
         for process in processes:
             process.kill()
@@ -82,3 +102,23 @@ def test_a_collective_without_its_peer_raises_after_the_configured_timeout(tmp_p
     assert [name for name, _ in outcomes] == ["data group", "world"]
     for name, outcome in outcomes:  # gloo names the timeout it was given
         assert f"Timed out waiting {TIMEOUT_S * 1000:.0f}ms" in outcome, (name, outcome)
+
+
+def wait_for_outcomes(results, processes, count: int, timeout_s: float) -> list:
+    """`count` results, failing at once (with the exit codes) when every rank has exited
+    without sending them, instead of waiting out the timeout."""
+    outcomes, deadline = [], time.monotonic() + timeout_s
+    while len(outcomes) < count:
+        try:
+            outcomes.append(results.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        if all(not process.is_alive() for process in processes) or time.monotonic() > deadline:
+            try:
+                while len(outcomes) < count:  # what was sent just before the ranks exited
+                    outcomes.append(results.get(timeout=1.0))
+            except queue.Empty:
+                pytest.fail(f"the ranks sent {outcomes} and exited with "
+                            f"{[process.exitcode for process in processes]} (None: still running)")
+    return outcomes
