@@ -6,6 +6,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.realrl-installed
 ARGS ?=
+# Test files run on this many pytest processes (pytest-xdist; one file stays on one process, so
+# a module's fixtures are built once). Most of a CLI test is process start-up, which leaves a
+# core idle: two at once take about two thirds of the time on 2 cores. 0: one process.
+TEST_PROCESSES ?= 2
 
 .PHONY: demo test test-fast lint format docs clean-venv
 
@@ -19,10 +23,10 @@ demo: $(STAMP)
 	$(PY) -m realrl.apps.quickstart ppo-math $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile $(ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile -m "not slow" $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check realrl tests benchmarks examples
