@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_generation_engine import forward_logprobs
 from tiny_hf_models import random_packed_batch, save_hf
 
 from realrl.models.checkpoint import load_pretrained
@@ -35,18 +36,6 @@ def perturbed(model, seed: int):
     generator = torch.Generator().manual_seed(seed)
     return {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
             for name, tensor in model.state_dict().items()}
-
-
-def forward_logprobs(model, output) -> torch.Tensor:
-    """Log-probs [total_response_tokens] of the response tokens by one training forward."""
-    with torch.no_grad():
-        logprobs = model(output.packed_input_ids, output.cu_seqlens).log_softmax(-1)
-    offsets, pieces = output.cu_seqlens.tolist(), []
-    for row, start in enumerate(offsets[:-1]):
-        first, end = start + int(output.prompt_lens[row]), offsets[row + 1]
-        tokens = output.packed_input_ids[first:end]
-        pieces.append(logprobs[first - 1 : end - 1].gather(1, tokens[:, None]).squeeze(1))
-    return torch.cat(pieces)
 
 
 def chunked(model, prompts, config, seed, versions, kv_cache, new_weights=None):
