@@ -25,15 +25,18 @@ import argparse
 import json
 import logging
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import ModelShape, write_benchmark_model, write_prompt_file  # noqa: E402
+from bench_setup import (  # noqa: E402
+    ModelShape,
+    run_quickstart,
+    write_benchmark_model,
+    write_prompt_file,
+)
 
 logger = logging.getLogger("bench_overhead")
-REPO_ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS = {"d2": "d2", "split": "actor_gen:d2,actor_train:d1@0,*:d2"}
 
 
@@ -59,8 +62,7 @@ def model_dir(work_dir: Path, size: str) -> Path:
 
 def run_one(args, size: str, layout: str) -> list[dict]:
     trial = f"{size}-{layout}"
-    command = [
-        sys.executable, "-m", "realrl.apps.quickstart", "ppo-math",
+    overrides = [
         f"actor.path={model_dir(args.work_dir, size)}", f"dataset.path={args.prompt_file}",
         "dataset.batch_size=8", "group_size=4", f"gen.max_new_tokens={args.max_new_tokens}",
         f"n_devices_per_node={args.workers}", f"allocation_mode={LAYOUTS[layout]}",
@@ -68,15 +70,8 @@ def run_one(args, size: str, layout: str) -> list[dict]:
         f"output_root={args.work_dir / 'runs'}", "experiment_name=overhead",
         f"trial_name={trial}",
     ]
-    log_file = args.work_dir / "logs" / f"{trial}.log"
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "w") as log:
-        completed = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   timeout=args.timeout_s)
-    if completed.returncode != 0:
-        raise RuntimeError(f"{trial} exited with {completed.returncode}; see {log_file}")
-    metrics_file = args.work_dir / "runs" / "overhead" / trial / "metrics.jsonl"
-    return [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    return run_quickstart("ppo-math", overrides, args.work_dir / "runs" / "overhead" / trial,
+                          args.work_dir / "logs" / f"{trial}.log", args.timeout_s)
 
 
 def summarise(size: str, layout: str, steps: list[dict], num_params: int) -> dict:

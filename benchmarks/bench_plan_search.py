@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,8 +34,10 @@ from realrl.plan.choose import launch_problem
 from realrl.plan.costs import Layout
 from realrl.plan.search import Evaluator
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_setup import run_quickstart  # noqa: E402
+
 logger = logging.getLogger("bench_plan_search")
-REPO_ROOT = Path(__file__).resolve().parent.parent
 GRPO = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"]
 PLANS = {
     "ppo": ["search", "auto", "d2", "*:d1@0", "actor_gen:d2,actor_train:d1@0,*:d2",
@@ -94,18 +95,11 @@ def predicted(args: argparse.Namespace, experiment: str, plan: str) -> tuple[flo
 
 
 def measured(args: argparse.Namespace, experiment: str, plan: str, trial: str) -> float:
-    command = [sys.executable, "-m", "realrl.apps.quickstart", "ppo-math",
-               *overrides(args, experiment, plan, trial)]
-    log_file = args.work_dir / "logs" / f"{trial}.log"
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "w") as log:
-        completed = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   timeout=args.timeout_s)
-    if completed.returncode != 0:
-        raise RuntimeError(f"{trial} exited with {completed.returncode}; see {log_file}")
-    metrics = args.work_dir / "runs" / "plan-search" / trial / "metrics.jsonl"
-    steps = [json.loads(line)["timing/step_s"] for line in metrics.read_text().splitlines()]
-    return statistics.median(steps[1:] or steps)
+    steps = run_quickstart("ppo-math", overrides(args, experiment, plan, trial),
+                           args.work_dir / "runs" / "plan-search" / trial,
+                           args.work_dir / "logs" / f"{trial}.log", args.timeout_s)
+    step_s = [record["timing/step_s"] for record in steps]
+    return statistics.median(step_s[1:] or step_s)
 
 
 def main(argv: list[str] | None = None) -> None:

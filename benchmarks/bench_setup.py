@@ -21,6 +21,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -213,6 +215,24 @@ def median_and_spread(values: list[float]) -> dict[str, float]:
 
 def load_average() -> float:
     return os.getloadavg()[0]
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_quickstart(experiment: str, overrides: list[str], run_dir: Path, log_file: Path,
+                   timeout_s: float) -> list[dict]:
+    """Run `python -m realrl.apps.quickstart <experiment> <overrides>` from the repository
+    root, its output in `log_file`; the metrics.jsonl records of `run_dir` (the run directory
+    the overrides name). A failed run raises, naming its log."""
+    command = [sys.executable, "-m", "realrl.apps.quickstart", experiment, *overrides]
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w") as log:
+        completed = subprocess.run(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   timeout=timeout_s)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{run_dir.name} exited with {completed.returncode}; see {log_file}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 if __name__ == "__main__":
