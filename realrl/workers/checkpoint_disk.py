@@ -17,6 +17,7 @@ user reads "no space left" instead of a traceback from inside torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -29,12 +30,17 @@ _SPACE_WORDS = ("no space left", "os error 28", "disk quota exceeded", "os error
 
 
 def fsync_tree(root: Path) -> None:
-    """fsync every file under `root`, then every directory, deepest first, `root` last."""
+    """fsync every file under `root`, then every directory, deepest first, `root` last.
+
+    Other ranks write into the same tree at the same time, some through temporary files they
+    rename (a tokenizer's `.tmpXXXX`): a file listed and gone before it is opened is skipped;
+    its writer fsyncs what it renamed it to."""
     directories = []
     for folder, _, files in os.walk(root):
         directories.append(Path(folder))
         for name in files:
-            fsync_path(Path(folder) / name)
+            with contextlib.suppress(FileNotFoundError):
+                fsync_path(Path(folder) / name)
     for directory in reversed(directories):
         fsync_path(directory)
 

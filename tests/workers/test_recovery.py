@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+from pathlib import Path
 
+from realrl.workers import checkpoint_disk
 from realrl.workers.checkpoint_disk import out_of_space, write_failure_reason
 from realrl.workers.recovery import (
     complete_checkpoints,
@@ -95,3 +98,25 @@ def test_a_full_disk_is_named_whichever_way_the_writer_reports_it(tmp_path):
     assert write_failure_reason(denied, tmp_path) == "PermissionError: [Errno 13] Permission denied"
     torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 5 vs 3")
     assert not out_of_space(torch_error, tmp_path)
+
+
+def test_fsync_tree_skips_a_file_another_rank_renamed_while_it_walked(tmp_path, monkeypatch):
+    """Two ranks write into one role directory; one renames its temporary file between the
+    other's listing and its open (the race a 2-worker CI run hit): the walk goes on."""
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "actor" / "optimizer_tp1.pt").write_bytes(b"x")
+    (tmp_path / "actor" / ".tmpXBpGwM").write_bytes(b"y")
+    walk, synced = os.walk, []
+
+    def racing_walk(root):
+        for folder, directories, files in walk(root):
+            if ".tmpXBpGwM" in files:
+                os.rename(Path(folder) / ".tmpXBpGwM", Path(folder) / "tokenizer.json")
+            yield folder, directories, files
+
+    real_fsync = checkpoint_disk.fsync_path
+    monkeypatch.setattr(checkpoint_disk.os, "walk", racing_walk)
+    monkeypatch.setattr(checkpoint_disk, "fsync_path",
+                        lambda path: (real_fsync(path), synced.append(Path(path).name)))
+    checkpoint_disk.fsync_tree(tmp_path)
+    assert sorted(synced) == sorted(["optimizer_tp1.pt", "actor", tmp_path.name])
