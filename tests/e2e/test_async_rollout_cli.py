@@ -119,7 +119,11 @@ def test_new_weights_reach_generations_in_flight_and_no_token_is_lost(
     loss's interpolated proximal log-probs, each token's own lag sets them: lags 0 and 1 give
     the behaviour log-probs themselves, so a step whose tokens are at most 1 step stale has no
     behaviour mismatch."""
-    eta, steps = 3, 4
+    # A switch needs the trainer to publish while a response is in flight, which is up to the
+    # two processes' timing: on a loaded machine a step can go by without one (a 4-step run of
+    # a CI had none at all). 8 steps: measured with 4 CPU hogs on 2 cores, 5 to 7 steps of the
+    # 7 with a trained version had switches.
+    eta, steps = 3, 8
     decoupled = ["ppo.decoupled_loss=true", "ppo.prox_logp=interpolate"] if interpolate else []
     result = run_cli("ppo-math", [
         f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
