@@ -10,9 +10,12 @@ several seeds, and we compare how fast each one's task reward climbs:
   model workers, stopped with SIGTERM when the budget is used;
 - `realrl-pipelined` (opt-in): the same with `pipeline_rollout=true`: worker 0 generates step
   i+1's rollout while worker 1 trains step i, so rollouts are one train step off-policy;
-- `realrl-async-eta1`, `-eta2`, `-eta4` (opt-in): `rollout.mode=async` with
-  `rollout.max_head_offpolicyness` 1, 2, 4: worker 0 streams rollout requests while worker 1
-  trains, each group at most eta train steps off-policy;
+- `realrl-async-eta<N>` (opt-in, any N, e.g. 1, 2, 4, 8): `rollout.mode=async` with
+  `rollout.max_head_offpolicyness=N`: worker 0 streams rollout requests while worker 1
+  trains, each group at most N train steps off-policy, plain PPO loss on the stale samples;
+  `realrl-async-eta<N>-decoupled`: the same with AReaL's decoupled objective
+  (`ppo.decoupled_loss=true`, proximal log-probs from the training forward itself: one
+  optimizer step per batch, so no extra forward);
 - `loop`: `run_loop` below, one process with 2 torch threads: transformers `generate` (left
   padding, KV cache, sampling) for the rollouts, one padded forward/backward, one AdamW step;
 - `loop-passive` (opt-in): the same loop with `OMP_WAIT_POLICY=PASSIVE`, the setting realrl's
@@ -58,8 +61,8 @@ from baseline_loop import group_advantages, response_mask  # noqa: E402
 logger = logging.getLogger("bench_reward_time")
 BENCH_FILE = Path(__file__).resolve()
 REPO_ROOT = BENCH_FILE.parents[1]
-SYSTEMS = ("realrl", "realrl-pipelined", "realrl-async-eta1", "realrl-async-eta2",
-           "realrl-async-eta4", "loop", "loop-passive")
+SYSTEMS = ("realrl", "realrl-pipelined", "loop", "loop-passive")  # and realrl-async-eta<N>...
+ASYNC_PREFIX, DECOUPLED_SUFFIX = "realrl-async-eta", "-decoupled"
 RECIPE = {"batch_size": 16, "group_size": 8, "max_new_tokens": 8, "lr": 2e-4, "train_size": 256}
 GRPO_OVERRIDES = [
     "ppo.disable_value=true",
@@ -290,14 +293,25 @@ def watch_run(
     }
 
 
+def check_system(system: str) -> str:
+    """`system` if the benchmark knows it, else a ValueError naming the choices."""
+    bound = system.removeprefix(ASYNC_PREFIX).removesuffix(DECOUPLED_SUFFIX)
+    if system in SYSTEMS or (system.startswith(ASYNC_PREFIX) and bound.isdigit()):
+        return system
+    raise ValueError(f"unknown system {system!r}: choose from {', '.join(SYSTEMS)}, "
+                     f"{ASYNC_PREFIX}<N> or {ASYNC_PREFIX}<N>{DECOUPLED_SUFFIX} (N >= 0)")
+
+
 def schedule_overrides(system: str) -> list[str]:
-    """`realrl-pipelined`: pipeline_rollout=true; `realrl-async-eta<N>`: rollout.mode=async
-    with the staleness bound N (default request size); `realrl`: synchronous."""
+    """`realrl-pipelined`: pipeline_rollout=true; `realrl-async-eta<N>[-decoupled]`:
+    rollout.mode=async with the staleness bound N (default request size), with the decoupled
+    objective or without; `realrl`: synchronous."""
     if system == "realrl-pipelined":
         return ["pipeline_rollout=true"]
-    if system.startswith("realrl-async-eta"):
-        eta = int(system.removeprefix("realrl-async-eta"))
-        return ["rollout.mode=async", f"rollout.max_head_offpolicyness={eta}"]
+    if system.startswith(ASYNC_PREFIX):
+        eta = int(system.removeprefix(ASYNC_PREFIX).removesuffix(DECOUPLED_SUFFIX))
+        decoupled = ["ppo.decoupled_loss=true"] if system.endswith(DECOUPLED_SUFFIX) else []
+        return ["rollout.mode=async", f"rollout.max_head_offpolicyness={eta}", *decoupled]
     return []
 
 
@@ -331,6 +345,7 @@ def realrl_command(args, system: str, seed: int, model: Path, run_root: Path) ->
         f"output_root={run_root}",
         "experiment_name=reward-time",
         f"trial_name={system}-seed{seed}",
+        *(args.overrides.split() if args else []),
     ]
 
 
@@ -427,10 +442,8 @@ def summarise(runs: list[dict], thresholds: list[float], window: int) -> dict[st
     """Per system, over seeds: median time to each threshold (`inf` counts as not reached),
     how many seeds reached it, median steps within the budget, median final moving average."""
     summary = {}
-    for system in SYSTEMS:
+    for system in dict.fromkeys(run["system"] for run in runs):
         own = [run for run in runs if run["system"] == system]
-        if not own:
-            continue
         reached, final, steps, startup = {t: [] for t in thresholds}, [], [], []
         for run in own:
             times = [step["elapsed_s"] for step in run["steps"]]
@@ -452,8 +465,34 @@ def summarise(runs: list[dict], thresholds: list[float], window: int) -> dict[st
             "final_average_per_seed": final,
             "startup_s": statistics.median(startup),
             "num_seeds": len(own),
+            "reward_at_step": {
+                step: [averages_at(run, window, step) for run in own] for step in STEP_MARKS},
+            **{name: statistics.median(_run_mean(run, key) for run in own)
+               for name, key in ASYNC_METRICS.items()},
         }
     return summary
+
+
+# Steps at which the reward-per-step table compares the systems' moving averages.
+STEP_MARKS = (25, 50, 100, 150)
+# Async metrics, each the mean over a run's steps past the first few (then the seeds' median).
+ASYNC_METRICS = {"generator_busy": "async/generator_busy_fraction",
+                 "trainer_busy": "async/trainer_busy_fraction",
+                 "bound_wait": "async/bound_wait_fraction",
+                 "staleness": "actor_train/policy_lag"}
+WARM_UP_STEPS = 5
+
+
+def averages_at(run: dict, window: int, step: int) -> float:
+    """The run's moving-average reward at `step` (1-based); NaN if it stopped before."""
+    averages = moving_average([record["reward"] for record in run["steps"]], window)
+    value = averages[step - 1] if len(averages) >= step else None
+    return math.nan if value is None else value
+
+
+def _run_mean(run: dict, key: str) -> float:
+    values = [record[key] for record in run["steps"][WARM_UP_STEPS:] if key in record]
+    return statistics.fmean(values) if values else math.nan
 
 
 def format_table(summary: dict[str, dict], thresholds: list[float], budget_s: float) -> str:
@@ -486,15 +525,37 @@ def format_table(summary: dict[str, dict], thresholds: list[float], budget_s: fl
     return "\n".join(lines)
 
 
+def format_step_table(summary: dict[str, dict]) -> str:
+    """Reward against steps (median and range over seeds of the moving average at each mark)
+    and the async runs' utilisation: learning per step, apart from speed."""
+    def spread(values: list[float]) -> str:
+        done = [v for v in values if math.isfinite(v)]
+        if not done:
+            return "-"
+        return f"{statistics.median(done):.3f} ({min(done):.3f}-{max(done):.3f}, {len(done)})"
+
+    def fraction(value: float) -> str:
+        return f"{value:.2f}" if math.isfinite(value) else ""
+
+    header = ["system", *[f"reward at step {step}" for step in STEP_MARKS],
+              "generator busy", "trainer busy", "bound wait", "mean staleness"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for system, row in summary.items():
+        cells = [system, *[spread(row["reward_at_step"][step]) for step in STEP_MARKS],
+                 *[fraction(row[name]) for name in ASYNC_METRICS]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot_curves(runs: list[dict], window: int, thresholds: list[float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"realrl": "tab:blue", "realrl-pipelined": "tab:purple", "loop": "tab:orange",
-               "loop-passive": "tab:green", "realrl-async-eta1": "tab:red",
-               "realrl-async-eta2": "tab:brown", "realrl-async-eta4": "tab:pink"}
+    palette = plt.get_cmap("tab10").colors
+    colours = {system: palette[index % len(palette)]
+               for index, system in enumerate(dict.fromkeys(run["system"] for run in runs))}
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for run in runs:
         averages = moving_average([step["reward"] for step in run["steps"]], window)
@@ -539,10 +600,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--systems",
         default="realrl,loop",
         help="Any of realrl, realrl-pipelined (pipeline_rollout=true: generation on one "
-        "worker, training on the other, one step off-policy), realrl-async-eta1, -eta2, -eta4 "
-        "(rollout.mode=async with that staleness bound), loop, loop-passive (the loop "
-        "with OMP_WAIT_POLICY=PASSIVE, which realrl's launcher gives its workers).",
+        "worker, training on the other, one step off-policy), realrl-async-eta<N> "
+        "(rollout.mode=async with staleness bound N), realrl-async-eta<N>-decoupled (the same "
+        "with ppo.decoupled_loss=true), loop, loop-passive (the loop with "
+        "OMP_WAIT_POLICY=PASSIVE, which realrl's launcher gives its workers).",
     )
+    parser.add_argument(
+        "--overrides", default="",
+        help="More key=value overrides of every realrl run, space-separated (e.g. 'mode=slurm "
+        "slurm.gpu_request=none n_devices_per_node=4 allow_oversubscribe=true').")
     parser.add_argument(
         "--budget-s",
         type=float,
@@ -581,6 +647,7 @@ def main(argv: list[str] | None = None) -> None:
     plot_curves(result["runs"], args.window, thresholds, plot_path)
     (args.work_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
     sys.stdout.write(format_table(result["summary"], thresholds, result["budget_s"]) + "\n\n")
+    sys.stdout.write(format_step_table(result["summary"]) + "\n\n")
     sys.stdout.write(
         f"load average (1, 5, 15 min) at start {result['load_average_start']}, at end "
         f"{result['load_average_end']}; plot {plot_path}; results {args.work_dir}/results.json\n"
@@ -592,12 +659,12 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict:
     from realrl.launcher.warm_start import ensure_warm_start
 
     model = ensure_warm_start()
+    systems = [check_system(system) for system in args.systems.split(",") if system]
     load_start = os.getloadavg()
     runs = [
         run_system(args, system, int(seed), model)
         for seed in args.seeds.split(",")
-        for system in args.systems.split(",")
-        if system
+        for system in systems
     ]
     return {
         "argv": argv,

@@ -61,8 +61,21 @@ def test_realrl_command_sets_the_loops_recipe_in_a_valid_config():
     assert resolve_config(PPOMathConfig, pipelined[4:]).pipeline_rollout
     streamed = bench.realrl_command(None, "realrl-async-eta4", seed=3, model=DEFAULT_ACTOR,
                                     run_root=Path("/tmp/x"))
-    rollout = resolve_config(PPOMathConfig, streamed[4:]).rollout
-    assert rollout.is_async and rollout.max_head_offpolicyness == 4
+    config = resolve_config(PPOMathConfig, streamed[4:])
+    assert config.rollout.is_async and config.rollout.max_head_offpolicyness == 4
+    assert not config.ppo.decoupled_loss
+    decoupled = bench.realrl_command(None, "realrl-async-eta8-decoupled", seed=3,
+                                     model=DEFAULT_ACTOR, run_root=Path("/tmp/x"))
+    config = resolve_config(PPOMathConfig, decoupled[4:])
+    assert config.rollout.max_head_offpolicyness == 8 and config.ppo.decoupled_loss
+    assert config.trial_name == "realrl-async-eta8-decoupled-seed3"
+
+
+@pytest.mark.parametrize("system", ["realrl-async-eta", "realrl-async-etax", "realrl-sync",
+                                    "realrl-async-eta2-coupled"])
+def test_an_unknown_system_is_refused_with_the_choices(system):
+    with pytest.raises(ValueError, match="realrl-async-eta<N>-decoupled"):
+        bench.check_system(system)
 
 
 def test_decode_completions_stop_at_the_first_eos():
@@ -143,6 +156,20 @@ def test_summarise_takes_medians_over_seeds_and_counts_seeds_that_miss():
     assert summary["loop"]["time_to_threshold_s"][0.5] == 6.0
     table = bench.format_table(summary, [0.5], budget_s=150)
     assert "| realrl | 6.0 (2/3) | 3 (3-3) | 1.00 | 0.500 | 5.0 |" in table
+
+
+def test_step_table_gives_each_marks_median_and_range_and_the_async_utilisation():
+    runs = [_run("realrl-async-eta2", seed, [float(seed % 2)] * 30, 1.0) for seed in (1, 2, 3)]
+    for run in runs:
+        for index, step in enumerate(run["steps"]):
+            # The first WARM_UP_STEPS are left out of the means: 0.9 busy after them.
+            step["async/generator_busy_fraction"] = 0.9 if index >= bench.WARM_UP_STEPS else 0.1
+    summary = bench.summarise(runs, thresholds=[0.5], window=20)["realrl-async-eta2"]
+    assert summary["reward_at_step"][25] == [1.0, 0.0, 1.0]
+    assert all(math.isnan(value) for value in summary["reward_at_step"][50])
+    assert summary["generator_busy"] == pytest.approx(0.9) and math.isnan(summary["bound_wait"])
+    table = bench.format_step_table({"realrl-async-eta2": summary})
+    assert "| realrl-async-eta2 | 1.000 (0.000-1.000, 3) | - | - | - | 0.90 |  |  |  |" in table
 
 
 def test_summarise_reports_not_reached_when_most_seeds_miss():
