@@ -230,3 +230,45 @@ def _prompts_per_step(run_dir) -> dict[int, set[str]]:
     for row in _samples(run_dir):
         prompts.setdefault(row["step"], set()).add(row["query_id"])
     return prompts
+
+
+@pytest.mark.parametrize("trainer", [
+    "d2", pytest.param("d1t2", marks=pytest.mark.slow)])
+def test_async_rollout_on_disjoint_data_parallel_meshes_of_two_workers_each(
+    tiny_model, cli_env, tmp_path, trainer
+):
+    """4 workers: generation (with the reward and reference MFCs) data-parallel on workers 0-1,
+    training on workers 2-3 (data- or tensor-parallel), interruptible generation. Each request
+    of 2 groups is split over the 2 generation ranks, and each weight version reaches both
+    between their decode steps; the 2-worker runs' invariants hold: every step trains
+    `dataset.batch_size` distinct prompts, each group within the bound, every response's
+    token versions never decreasing and within it."""
+    eta, steps = 2, 3
+    result = run_cli("ppo-math", [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *EVERY_SAMPLE,
+        *[override for override in TWO_WORKERS if not override.startswith("n_devices")],
+        "n_devices_per_node=4", "allow_oversubscribe=true",
+        f"allocation_mode=actor_gen:d2@0-1,actor_train:{trainer}@2-3,*:d2@0-1",
+        "rollout.mode=async", f"rollout.max_head_offpolicyness={eta}",
+        "rollout.groups_per_request=2", "rollout.decode_steps_per_chunk=1",
+        f"total_train_steps={steps}",
+    ], cli_env)
+    assert result.returncode == 0, describe(result)
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    allocations = json.loads((run_dir / "plan.json").read_text())["allocations"]
+    assert allocations["actor_gen"]["mesh"]["ranks"] == [0, 1]
+    assert allocations["actor_train"]["mesh"]["ranks"] == [2, 3]
+    metrics = read_metrics(run_dir)
+    assert [record["step"] for record in metrics] == list(range(1, steps + 1))
+    for record in metrics:
+        assert record["actor_train/num_sequences"] == 2 * BATCH_SIZE
+        assert record["async/token_staleness_max"] <= record["async/staleness_max"] <= eta
+        assert sum(record[f"async/staleness_{s}_groups"] for s in range(eta + 1)) == BATCH_SIZE
+    rows = _samples(run_dir)
+    assert len(rows) == steps * 2 * BATCH_SIZE
+    for row in rows:
+        versions = row["token_weight_versions"]
+        assert 1 <= len(versions) <= 8 and versions == sorted(versions)
+        assert row["step"] - 1 - eta <= versions[0] and versions[-1] <= row["step"] - 1
+        assert row["weight_version"] <= versions[0]
+    assert len({row["query_id"] for row in rows}) == steps * BATCH_SIZE
