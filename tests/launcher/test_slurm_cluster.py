@@ -254,3 +254,41 @@ def test_sigterm_to_the_launcher_stops_the_job_with_a_checkpoint_and_names_the_r
     assert resume.endswith(f"total_train_steps=2000 output_root={tmp_path} recover_mode=auto")
     assert not job_listed(job_id)
     assert wait_until(lambda: not entry_processes(run_dir), timeout_s=15)
+
+
+@pytest.mark.slow
+def test_async_rollouts_on_disjoint_two_worker_meshes_under_slurm(tmp_path):
+    """`rollout.mode=async` in one SLURM job of 4 worker tasks: generation data-parallel on
+    workers 0-1, training on workers 2-3, interruptible generation. Every step trains 4
+    distinct prompts (2 responses each) within the staleness bound, every response's token
+    versions never decrease and stay within it, and no task outlives the job."""
+    eta, steps, batch_size = 2, 3, 4
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    process = start_cli(
+        tmp_path, "ppo-math", *CPU_JOB, "n_devices_per_node=4", f"total_train_steps={steps}",
+        f"dataset.batch_size={batch_size}", "group_size=2", "gen.max_new_tokens=8",
+        "ppo.disable_value=true", "ppo.adv_estimator=grpo",
+        f"log.samples_per_step={2 * batch_size}", "log.samples_every_steps=1",
+        "allocation_mode=actor_gen:d2@0-1,actor_train:d2@2-3,*:d2@0-1",
+        "rollout.mode=async", f"rollout.max_head_offpolicyness={eta}",
+        "rollout.groups_per_request=2", "rollout.decode_steps_per_chunk=1")
+    returncode, stdout, stderr = finish(process, tmp_path, timeout_s=400)
+    assert returncode == 0, stderr[-3000:]
+    (job_id,) = submitted_job_ids(stdout)
+    assert f"SLURM job {job_id} completed" in stdout
+    assert {path.name for path in (run_dir / "logs").iterdir()} >= {
+        "master.log", *(f"worker{rank}.log" for rank in range(4))}
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in metrics] == list(range(1, steps + 1))
+    for record in metrics:
+        assert record["actor_train/num_sequences"] == 2 * batch_size
+        assert record["async/token_staleness_max"] <= record["async/staleness_max"] <= eta
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == steps * 2 * batch_size
+    for row in rows:
+        versions = row["token_weight_versions"]
+        assert versions == sorted(versions)
+        assert row["step"] - 1 - eta <= versions[0] and versions[-1] <= row["step"] - 1
+    assert len({row["query_id"] for row in rows}) == steps * batch_size
+    assert not job_listed(job_id)
+    assert wait_until(lambda: not entry_processes(run_dir), timeout_s=15)
