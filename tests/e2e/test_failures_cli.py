@@ -44,6 +44,14 @@ def worker_pid(run_dir, rank: int) -> int | None:
         pytest.param(["pipeline_rollout=true"], 1, id="pipelined", marks=pytest.mark.slow),
         # Worker 0 streams rollout requests while worker 1 trains: the generator dies.
         pytest.param(["rollout.mode=async"], 0, id="async_generator", marks=pytest.mark.slow),
+        # 4 workers: generation data-parallel on workers 0-1, both trainers on workers 2-3,
+        # interruptible generation; the second generation rank dies (its peer and the
+        # trainers must not be left waiting).
+        pytest.param(["n_devices_per_node=4", "allow_oversubscribe=true",
+                      "allocation_mode=actor_train:d2@2-3,critic_train:d2@2-3,*:d2@0-1",
+                      "rollout.mode=async", "rollout.groups_per_request=2",
+                      "rollout.decode_steps_per_chunk=1"], 1,
+                     id="async_generator_of_two", marks=pytest.mark.slow),
     ],
 )
 def test_killing_a_worker_mid_step_stops_the_run_and_names_it(
