@@ -239,8 +239,8 @@ def test_async_rollout_on_disjoint_data_parallel_meshes_of_two_workers_each(
 ):
     """4 workers: generation (with the reward and reference MFCs) data-parallel on workers 0-1,
     training on workers 2-3 (data- or tensor-parallel), interruptible generation. Each request
-    of 2 groups is split over the 2 generation ranks, and each weight version reaches both
-    between their decode steps; the 2-worker runs' invariants hold: every step trains
+    of 2 groups is split over the 2 generation ranks, which take new weights between their
+    decode steps; the 2-worker runs' invariants hold: every step trains
     `dataset.batch_size` distinct prompts, each group within the bound, every response's
     token versions never decreasing and within it."""
     eta, steps = 2, 3
