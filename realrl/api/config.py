@@ -329,8 +329,8 @@ class RolloutConfig:
         "groups to finish, as AReaL does, except that the groups the staleness bound would "
         "otherwise exceed go first (a slow response never holds a batch back longer than the "
         "bound needs). Needed by a rollout filter that drops groups (ppo.dynamic_sampling); a "
-        "checkpoint then records the data position past every group started, so a resumed run "
-        "skips the groups buffered at the checkpoint (logged).",
+        "checkpoint then records the data position past every batch drawn and the prompts "
+        "drawn and not trained, which a resumed run generates first.",
     )
 
     def request_groups(self, batch_size: int, data_parallel: int) -> int:

@@ -28,8 +28,12 @@ Checkpoints. Before a save the producer stops starting requests and the running 
 resumed run generates the buffered and running groups again from the checkpoint's weights:
 no prompt is lost or trained twice, and the resumed run's samples differ from an uninterrupted
 run's (they come from newer weights and another random state). With `finished_first` the
-trained groups are no prefix of the data: the checkpoint records the position past every group
-started, and a resumed run skips the groups buffered at the save (logged).
+trained groups are no prefix of the data: the checkpoint records the position past every batch
+drawn and, by query id, the prompts drawn and not trained (`pending_query_ids`: the finished
+groups in the buffer, in start order, then those of the drawn batch not started yet), which a
+resumed run generates first (`realrl.workers.data_source`), so again no prompt is lost or
+trained twice. The groups the rollout filter dropped are not among them: they were thrown away
+as in an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class AsyncRollout:
                                     settings.max_head_offpolicyness)
         self.changed = asyncio.Condition()
         self.positions: dict[int, dict] = {}  # data position before each drawn batch
+        self.not_started: SequenceSample | None = None  # the drawn batch's groups still waiting
         self.running: set[asyncio.Task] = set()
         self.failure: BaseException | None = None
         self.paused = False
@@ -127,6 +132,7 @@ class AsyncRollout:
                     size = min(self.groups_per_request, prompts.bs,
                                self.bound.capacity(self.version))
                     chunk, prompts = split_into_requests(prompts, size)[0], _after(prompts, size)
+                    self.not_started = prompts
                     self.bound.started += chunk.bs
                     buffered = self.buffer.start(index, self.version)
                     task = asyncio.create_task(self._run_request(buffered, chunk))
@@ -280,15 +286,14 @@ class AsyncRollout:
     def untrained_position(self):
         """Within it, the data source reports the position of the first batch not trained yet
         (what a checkpoint records); the batches drawn ahead are served as before after it.
-        With finished-first assembly: the position past every group started."""
+        With finished-first assembly: the position past every batch drawn, and the prompts
+        drawn and not trained owed before it. Only while paused: no request runs."""
         ahead = self.data.state_dict()
         if self.assembly == BatchAssembly.finished_first:
-            if skipped := self.buffer.buffered_groups():
-                logger.info("rollout.assembly=finished_first: a run resumed from this checkpoint "
-                            "skips the %d groups generated and not trained yet", skipped)
-            yield
-            return
-        self.data.load_state_dict(self.positions.get(self.next_to_train, ahead))
+            waiting = [] if self.not_started is None else list(self.not_started.ids)
+            self.data.owe(self.buffer.untrained_ids() + waiting)
+        else:
+            self.data.load_state_dict(self.positions.get(self.next_to_train, ahead))
         try:
             yield
         finally:

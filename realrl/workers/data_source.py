@@ -5,6 +5,13 @@ the same on every run); a path is a user JSONL file, validated line by line befo
 trains. `dataset.apply_chat_template` decides whether prompts go through the tokenizer's chat
 template (see `realrl.models.tokenizer.TextFormat`); the choice is logged once. The iterator
 state (epoch, position) is saved in checkpoints so recovery continues from the same sample.
+
+Prompts owed ahead of that position: an asynchronous run with `rollout.assembly=finished_first`
+trains no prefix of the data, so its checkpoint also records, by query id, the prompts drawn
+and not trained (`pending_query_ids` in the state, in draw order). The source serves them
+first, in full batches topped up from the iterator (the rest of the drawn batch stays owed),
+so a resumed run trains every prompt once. A state without the entry owes nothing (older
+checkpoints resume as before).
 """
 
 from __future__ import annotations
@@ -124,15 +131,41 @@ class DataSource:
                                       min_batch_size=data_parallel)
         logger.info("%s: %d records, batch size %d, %d batches per epoch", source,
                     len(self.dataset), settings.batch_size, self.iterator.batches_per_epoch)
+        self.pending: list[int] = []  # dataset indices owed before the iterator's position
+        self.index_of = {query_id: index for index, query_id in enumerate(self.dataset.ids)}
 
     def next_batch(self) -> SequenceSample:
-        return self._make_batch(self.dataset, self.iterator.next_batch())
+        """The next batch: the owed prompts first (topped up from the iterator to a full
+        batch), then the iterator's."""
+        if not self.pending:
+            return self._make_batch(self.dataset, self.iterator.next_batch())
+        if len(self.pending) < self.iterator.batch_size:
+            self.pending += self.iterator.next_batch()
+        batch, self.pending = (self.pending[:self.iterator.batch_size],
+                               self.pending[self.iterator.batch_size:])
+        return self._make_batch(self.dataset, batch)
+
+    def owe(self, query_ids: list[str]) -> None:
+        """Serve the prompts `query_ids` (drawn before and not trained) before any other."""
+        self.pending = [self.index_of[str(query_id)] for query_id in query_ids] + self.pending
 
     def state_dict(self) -> dict:
-        return self.iterator.state_dict()
+        state = self.iterator.state_dict()
+        if self.pending:
+            state["pending_query_ids"] = [self.dataset.ids[index] for index in self.pending]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        pending = state.pop("pending_query_ids", [])
         self.iterator.load_state_dict(state)
+        if unknown := [query_id for query_id in pending if query_id not in self.index_of]:
+            raise ValueError(
+                f"cannot resume the data: the checkpoint's data.pending_query_ids names "
+                f"{unknown[:5]}, which this run's dataset ({len(self.dataset)} records) does "
+                "not have; resume with the dataset the checkpoint was trained on"
+            )
+        self.pending = [self.index_of[query_id] for query_id in pending]
 
 
 def log_text_format(setting: bool | None, chat: bool, tokenizer, dataset) -> None:

@@ -61,6 +61,13 @@ class RolloutBuffer:
         """Groups finished and not trained."""
         return sum(request.available for request in self.requests.values())
 
+    def untrained_ids(self) -> list[str]:
+        """The query ids of the groups finished and not trained, in start order (what a
+        checkpoint owes a resumed run; the running requests' are not known here)."""
+        return [query_id for request in sorted(self.requests.values(), key=_start_order)
+                if request.available > 0
+                for query_id in request.finished.result.data.ids[request.taken:]]
+
     def _must_train(self, version: int) -> list[BufferedRequest]:
         return [request for request in self.requests.values()
                 if request.admitted_version <= version - self.eta]

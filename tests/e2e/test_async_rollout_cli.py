@@ -18,6 +18,8 @@ from e2e_helpers import (
     without_timing,
 )
 
+from realrl.datasets.loader import EpochIterator
+
 BATCH_SIZE = 4
 # One generating worker, one training worker (what allocation_mode=auto gives async runs).
 TWO_WORKERS = [
@@ -272,3 +274,46 @@ def test_async_rollout_on_disjoint_data_parallel_meshes_of_two_workers_each(
         assert row["step"] - 1 - eta <= versions[0] and versions[-1] <= row["step"] - 1
         assert row["weight_version"] <= versions[0]
     assert len({row["query_id"] for row in rows}) == steps * BATCH_SIZE
+
+
+@pytest.mark.slow
+def test_a_finished_first_run_resumed_mid_run_trains_every_prompt_once(
+    tiny_model, cli_env, tmp_path
+):
+    """`rollout.assembly=finished_first` trains no prefix of the data: a 4-step run checkpoints
+    after step 2 with groups generated ahead and not trained; the checkpoint owes them by query
+    id, and the run resumed from it (the step-4 checkpoint removed) trains them first. Over the
+    interrupted and the resumed run, the data stream up to the last checkpoint's position is
+    exactly the trained prompts, each trained once, and the prompts that checkpoint still owes."""
+    seed, records = 5, 64
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"query_id": f"q{i}", "prompt": f"{i % 9}+{i % 7}=",
+                                        "answer": str(i % 9 + i % 7)}) + "\n"
+                            for i in range(records)))
+    overrides = [
+        f"actor.path={tiny_model}", f"output_root={tmp_path}", *TWO_WORKERS, *EVERY_SAMPLE,
+        f"dataset.path={data}", f"seed={seed}", "rollout.mode=async",
+        "rollout.assembly=finished_first", "rollout.max_head_offpolicyness=2",
+        "rollout.groups_per_request=1", "total_train_steps=4", "save_freq_steps=2",
+    ]
+    first = run_cli("ppo-math", overrides, cli_env)
+    assert first.returncode == 0, describe(first)
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    shutil.rmtree(run_dir / "checkpoints" / "step000004")
+    resumed = run_cli("ppo-math", [*overrides, "recover_mode=auto"], cli_env)
+    assert resumed.returncode == 0, describe(resumed)
+    assert [record["step"] for record in read_metrics(run_dir)] == [1, 2, 3, 4]
+    trained = _prompts_per_step(run_dir)
+    assert all(len(prompts) == BATCH_SIZE for prompts in trained.values())
+    every_trained = [query_id for prompts in trained.values() for query_id in prompts]
+    assert len(set(every_trained)) == 4 * BATCH_SIZE  # none trained twice
+    responses = [row["query_id"] for row in _samples(run_dir)]
+    assert all(responses.count(query_id) == 2 for query_id in every_trained)  # group_size
+    last = json.loads((run_dir / "checkpoints" / "step000004" / "master.json").read_text())
+    owed = last["data"].get("pending_query_ids", [])
+    assert not set(owed) & set(every_trained)
+    order = EpochIterator(records, BATCH_SIZE, seed).next_batch  # the run's data stream
+    assert last["data"]["epoch"] == 0
+    stream = [f"q{index}" for _ in range(last["data"]["position"] // BATCH_SIZE)
+              for index in order()]
+    assert sorted(stream) == sorted(every_trained + owed)  # none lost

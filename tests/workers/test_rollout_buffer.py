@@ -105,3 +105,20 @@ def test_a_request_splits_over_two_batches_and_its_timing_counts_once():
     parts = buffer.take(1, 1)
     assert [part.result.data.ids for part in parts] == [["r2.1"], ["r3.0", "r3.1", "r3.2"]]
     assert parts[0].result.timing == {} and parts[0].busy_s == 0.0  # counted with r2.0
+
+
+def test_untrained_ids_are_the_finished_groups_not_taken_in_start_order():
+    """What a finished-first checkpoint owes a resumed run: the groups finished and not trained
+    (the rest of a request split over two batches too), in start order; not the groups the
+    filter dropped (thrown away as in an uninterrupted run), nor the trained ones."""
+    buffer = RolloutBuffer(BatchAssembly.finished_first, 4, 2, max_head_offpolicyness=2)
+    requests = [buffer.start(0, 0) for _ in range(4)]
+    for request, groups in zip(requests, (3, 0, 2, 2)):  # the filter dropped 1, 2, 0 and 0
+        request.finished = _finished(f"r{request.sequence}", groups)
+    assert buffer.untrained_ids() == ["r0.0", "r0.1", "r0.2", "r2.0", "r2.1", "r3.0", "r3.1"]
+    buffer.take(0, 0)  # r0's 3 groups and r2.0
+    assert buffer.untrained_ids() == ["r2.1", "r3.0", "r3.1"]
+    later = buffer.start(1, 1)  # running: its groups are owed only once it has finished
+    assert buffer.untrained_ids() == ["r2.1", "r3.0", "r3.1"]
+    later.finished = _finished("r4", 1)
+    assert buffer.untrained_ids() == ["r2.1", "r3.0", "r3.1", "r4.0"]
