@@ -6,7 +6,10 @@ workers, each allocation in `--plans` (the searched one, `auto`, and hand-writte
 the test suite and the benchmarks use) runs `--steps` steps through the real CLI; the
 measured step is the median of `timing/step_s` over the steps after the first (warm-up). The
 prediction is `realrl.plan`'s for the same allocation, on the same machine profile the
-launcher uses (`$REALRL_CACHE/plan/cpu-*.json`). Responses are forced to
+launcher uses (`$REALRL_CACHE/plan/cpu-*.json`), calibrated first (unless `--no-profile`) by
+`python -m realrl.apps.profile_plan` with the same keys: its probe runs (`*:d1@0`, `dN`,
+`d(N/2)t2`) fit each MFC's costs, and the table marks the allocations that are probes (their
+runs here are new runs, but their layouts are what the fit saw). Responses are forced to
 `gen.max_new_tokens` tokens (`gen.min_new_tokens` equal to it), and each worker keeps its own
 core (`share_idle_cores=false`: a call alone on the machine does not borrow the idle
 workers' threads), as the cost model assumes.
@@ -42,9 +45,10 @@ GRPO = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"]
 PLANS = {
     "ppo": ["search", "auto", "d2", "*:d1@0", "actor_gen:d2,actor_train:d1@0,*:d2",
             "actor_train:d1@1,*:d1@0", "actor_gen:d2,actor_train:d1@1,critic_train:d1@0,*:d2",
-            "d1t2"],
+            "d1t2", "actor_gen:d1@1,*:d2", "actor_gen:d1t2,*:d2"],
     "grpo": ["search", "auto", "d2", "*:d1@0", "actor_gen:d2,actor_train:d1@0,*:d2",
-             "actor_train:d1@1,*:d1@0", "actor_gen:d1@0,*:d2", "d1t2"],
+             "actor_train:d1@1,*:d1@0", "actor_gen:d1@0,*:d2", "d1t2", "actor_gen:d1t2,*:d2",
+             "actor_train:d1t2,*:d2"],
 }
 
 
@@ -62,7 +66,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overrides", default="", help="more key=value overrides, space-"
                         "separated (e.g. allow_oversubscribe=true for --workers 4 on 2 cores)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--no-profile", action="store_true",
+                        help="predict with the cost model alone (no calibration runs)")
     return parser.parse_args(argv)
+
+
+def calibrate(args: argparse.Namespace, experiment: str) -> list[str]:
+    """Run `realrl.apps.profile_plan` for the experiment's keys; the probes' allocations."""
+    from realrl.apps import profile_plan
+
+    argv = ["ppo-math", *overrides(args, experiment, "auto", "profile"), "--steps",
+            str(args.steps), "--work-dir", str(args.work_dir / "profile" / experiment)]
+    if profile_plan.main(argv) != 0:
+        raise SystemExit(f"profiling {experiment} failed")
+    entry = get_experiment("ppo-math")
+    config = resolve_config(entry.config_class, overrides(args, experiment, "auto", "p"), [],
+                            defaults={"experiment_name": entry.name})
+    spec = config.build()
+    problem = launch_problem(config, spec, spec.graph(), cpu_workers=True, calibrated=False)
+    return profile_plan.probe_allocations(problem)
 
 
 def overrides(args: argparse.Namespace, experiment: str, plan: str, trial: str) -> list[str]:
@@ -109,12 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for experiment in args.experiments.split(","):
         plans = args.plans.split(";") if args.plans else PLANS[experiment]
+        probes = [] if args.no_profile else calibrate(args, experiment)
         for index, plan in enumerate(plans):
             prediction, resolved = predicted(args, experiment, plan)
             step = measured(args, experiment, plan, f"{experiment}-{index}")
             load = os.getloadavg()[0]
             results.append({"experiment": experiment, "plan": plan, "resolved": resolved,
-                            "predicted_s": prediction, "measured_s": step, "load": load})
+                            "predicted_s": prediction, "measured_s": step, "load": load,
+                            "probe": plan in probes})
             logger.info("%s", results[-1])
     (args.work_dir / "results.json").write_text(json.dumps(results, indent=1))
     for experiment in args.experiments.split(","):
@@ -123,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
                  "error | load |", "|" + "---|" * 6]
         for r in rows:
             error = r["predicted_s"] / r["measured_s"] - 1
-            lines.append(f"| `{r['plan']}` | `{r['resolved']}` | {r['predicted_s']:.3f} | "
+            probe = " (probe)" if r.get("probe") else ""
+            lines.append(f"| `{r['plan']}`{probe} | `{r['resolved']}` | {r['predicted_s']:.3f} | "
                          f"{r['measured_s']:.3f} | {error:+.0%} | {r['load']:.1f} |")
         sys.stdout.write("\n".join(lines) + "\n\n")
 

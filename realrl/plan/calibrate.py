@@ -3,27 +3,36 @@
     python -m realrl.plan.calibrate --threads 1     # prints one JSON line
 
 The launcher never imports torch, so `realrl.plan.devices.cpu_profile` runs this module as a
-subprocess and caches its line per machine and thread count. What it measures, each the
-fastest of a few repeats after a warm-up (~5 s in all; the fastest, because other processes
-on a shared machine only ever slow a repeat down):
+subprocess and caches its line per machine and thread count (~10 s in all). What it
+measures, the first three the fastest of a few repeats after a warm-up (the fastest, because
+other processes on a shared machine only ever slow a repeat down):
 
 - ``matmul_<dtype>_flops_per_s``: a [512, 1024] x [1024, 1024] matmul (the size of a small
   model's packed-token projections);
 - ``copy_bytes_per_s``: a 64 MB tensor copy (read + write counted), the decode loop's bound;
 - ``layer_overhead_s``: one transformer layer's worth of small ops (~16 kernels on [4, 64]
-  rows), the fixed cost that dominates decoding tiny models on a CPU.
+  rows), the fixed cost that dominates decoding tiny models on a CPU;
+- ``gloo_latency_s`` and ``gloo_bandwidth_bytes_per_s``: a two-process gloo all-reduce over
+  loopback, as tensor- and data-parallel ranks of one machine run it: the median of small
+  (8 KB) all-reduces, which take two ring steps of latency each, and of 8 MB ones for the
+  bandwidth. A median, not the fastest: every exchange waits until both processes are
+  scheduled, and that wait is part of what a run pays.
 
-Inter-process (gloo) bandwidth and latency are not measured here; `realrl.plan.devices` uses
-the values measured for DESIGN.md.
+The runtime's own costs per call (requests, packing, the decode loop's Python) are not
+measured here: `python -m realrl.apps.profile_plan` measures them in short real runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
+import statistics
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def _fastest_seconds(function, repeats: int = 5, inner: int = 1) -> float:
@@ -67,6 +76,63 @@ def _layer_overhead_s() -> float:
         return _fastest_seconds(layer, repeats=7, inner=50)
 
 
+SMALL_ALL_REDUCE_VALUES = 2048  # 8 KB of fp32: a decode step's [rows, h] activations
+LARGE_ALL_REDUCE_VALUES = 2 * 1024 * 1024  # 8 MB: a small model's gradients
+
+
+def _gloo_rank(rank: int, port: int, threads: int, results) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        timings = {}
+        for name, values, repeats in (("small", SMALL_ALL_REDUCE_VALUES, 200),
+                                      ("large", LARGE_ALL_REDUCE_VALUES, 10)):
+            tensor = torch.ones(values)
+            for _ in range(3):
+                dist.all_reduce(tensor)
+            samples = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(tensor)
+                samples.append(time.perf_counter() - start)
+            timings[name] = statistics.median(samples)
+        if rank == 0:
+            results.put(timings)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def gloo_all_reduce(threads: int) -> dict:
+    """Latency and bandwidth of a two-process gloo ring on this machine (see the docstring)."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    ranks = [context.Process(target=_gloo_rank, args=(rank, port, threads, results))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        timings = results.get(timeout=120)
+    finally:
+        for process in ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    # A ring all-reduce of n = 2 ranks: 2 steps, each moving half the bytes (costs.py).
+    latency = timings["small"] / 2
+    large_bytes = LARGE_ALL_REDUCE_VALUES * 4
+    transfer = max(timings["large"] - 2 * latency, 1e-9)
+    return {"gloo_latency_s": latency, "gloo_bandwidth_bytes_per_s": large_bytes / transfer}
+
+
 def measure(threads: int) -> dict:
     torch.set_num_threads(threads)
     return {
@@ -75,6 +141,7 @@ def measure(threads: int) -> dict:
         "matmul_bfloat16_flops_per_s": _matmul_flops(torch.bfloat16),
         "copy_bytes_per_s": _copy_bytes_per_s(),
         "layer_overhead_s": _layer_overhead_s(),
+        **gloo_all_reduce(threads),
     }
 
 

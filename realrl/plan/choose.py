@@ -24,6 +24,7 @@ from realrl.api import environment
 from realrl.api.allocation import DeviceMesh, ParallelStrategy
 from realrl.api.dfg import DataflowGraph
 from realrl.api.experiment import ExperimentSpec
+from realrl.plan.calibration import load_calibration
 from realrl.plan.costs import Cluster, Layout
 from realrl.plan.devices import GIB, DeviceSpec, analytic_device, cpu_device
 from realrl.plan.search import Evaluator, SearchProblem, SearchResult, search
@@ -69,18 +70,23 @@ def resolve_device(config: Any, cpu_workers: bool) -> DeviceSpec:
 
 
 def launch_problem(config: Any, spec: ExperimentSpec, graph: DataflowGraph,
-                   cpu_workers: bool) -> SearchProblem:
+                   cpu_workers: bool, calibrated: bool = True) -> SearchProblem:
+    """The run's search problem; with the per-MFC calibration that `python -m
+    realrl.apps.profile_plan` measured for this workload on this machine, when there is one
+    (and `calibrated`)."""
     works, dependencies = graph_works(config, spec, graph)
     cluster = Cluster(config.n_nodes, config.n_devices_per_node,
                       resolve_device(config, cpu_workers))
-    return SearchProblem(works, dependencies, cluster)
+    calibration = load_calibration(works, cluster) if calibrated else None
+    return SearchProblem(works, dependencies, cluster, calibration=calibration)
 
 
 def _cache_path(problem: SearchProblem, time_budget_s: float) -> Path:
     """Keyed by the problem, the budget and the cost model's source (a changed model prices
     plans differently, so its old choices are not reused)."""
     model_source = b"".join((Path(__file__).parent / name).read_bytes()
-                            for name in ("candidates.py", "costs.py", "memory.py", "search.py"))
+                            for name in ("calibration.py", "candidates.py", "costs.py", "memory.py",
+                                         "search.py"))
     key = repr((problem, time_budget_s)).encode() + model_source
     digest = hashlib.sha256(key).hexdigest()[:16]
     root = Path(os.environ.get(environment.CACHE, Path.home() / ".cache" / "realrl"))

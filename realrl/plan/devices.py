@@ -107,9 +107,9 @@ def analytic_device(kind: str) -> DeviceSpec:
 def cpu_device_from_profile(profile: dict, memory_bytes: float) -> DeviceSpec:
     """A CPU worker from a calibration profile (`realrl.plan.calibrate.measure`'s keys).
 
-    Links are gloo between processes of one machine (DESIGN.md: a 10 MB all-reduce between
-    two processes takes ~10 ms; weight reallocation moved 63 MB at 180-440 MB/s), and ZeroMQ
-    to the master (~0.5 ms a request)."""
+    Links are gloo between processes of one machine, as the profile measured them (without
+    those keys, DESIGN.md's figures: a 10 MB all-reduce between two processes ~10 ms), and
+    ZeroMQ to the master (~0.5 ms a request)."""
     gloo = Link(profile.get("gloo_bandwidth_bytes_per_s", 5e8), profile.get("gloo_latency_s", 3e-4))
     return DeviceSpec(
         name=f"cpu ({profile['threads']} thread(s), measured)",
@@ -139,14 +139,19 @@ def machine_key(threads: int) -> str:
     return f"cpu-{threads}t-{digest}"
 
 
+# 2: the gloo all-reduce's latency and bandwidth are measured (before, assumed); a profile
+# of an older version is measured again.
+PROFILE_VERSION = 2
+
+
 def profile_cache_path(threads: int) -> Path:
     root = Path(os.environ.get(environment.CACHE, Path.home() / ".cache" / "realrl"))
-    return root.expanduser() / "plan" / f"{machine_key(threads)}.json"
+    return root.expanduser() / "plan" / f"{machine_key(threads)}-v{PROFILE_VERSION}.json"
 
 
 def cpu_profile(threads: int, timeout_s: float = 120.0) -> dict:
     """This machine's CPU profile for a worker with `threads` threads: from the cache, or
-    measured now by ``python -m realrl.plan.calibrate`` (~5-10 s) and cached."""
+    measured now by ``python -m realrl.plan.calibrate`` (~10 s) and cached."""
     path = profile_cache_path(threads)
     if path.is_file():
         return json.loads(path.read_text())

@@ -79,6 +79,12 @@ def describe(problem: SearchProblem, result: SearchResult, show: int = 3) -> str
         f"per device",
         f"plans: {result.space_size:.3g} ({how}) in {result.elapsed_s:.1f} CPU s",
     ]
+    if problem.calibration is not None:
+        lines.append(f"per-MFC costs calibrated by real runs: {problem.calibration.source}")
+    elif not cluster.device.is_gpu:
+        lines.append("per-MFC costs not calibrated (FLOPs and kernel costs only: on a CPU they "
+                     "miss most of a call's time); `python -m realrl.apps.profile_plan "
+                     "<experiment> <the same key=value ...>` measures them")
     if result.symmetric is not None:
         speedup = result.symmetric.step_seconds / best.step_seconds
         strategy = next(iter(result.symmetric.layouts.values())).strategy

@@ -6,7 +6,8 @@ A plan gives every MFC one `Layout`. Its step is simulated in graph order: an MF
 the MFCs it reads from have finished and every device of its mesh is free (a device runs one
 call at a time; MFCs on disjoint meshes overlap), first moves its role's newest weights onto
 its layout when the role is trained elsewhere (`realrl.plan.costs.realloc_seconds`), then runs
-for `mfc_seconds`. A plan whose peak memory on any device exceeds the limit is never returned.
+for `mfc_seconds` (corrected by the problem's `calibration`, fitted to real runs, when it has
+one). A plan whose peak memory on any device exceeds the limit is never returned.
 
 Small spaces are enumerated; larger ones get simulated annealing from the best symmetric plan
 for 60% of the time budget, then a coordinate-descent polish (each MFC's best layout with the
@@ -22,8 +23,9 @@ import math
 import random
 import time
 
+from realrl.plan.calibration import Calibration, corrected_seconds
 from realrl.plan.candidates import candidate_layouts
-from realrl.plan.costs import Cluster, Layout, MFCWork, WorkKind, mfc_seconds, realloc_seconds
+from realrl.plan.costs import Cluster, Layout, MFCWork, WorkKind, realloc_seconds
 from realrl.plan.memory import peak_bytes_array, peak_bytes_per_device
 
 
@@ -36,6 +38,7 @@ class SearchProblem:
     shard_optimizer: bool = False  # megatron-core's distributed optimizer
     microbatch_choices: tuple[int, ...] = (1, 2, 4, 8)
     memory_limit_bytes: float | None = None  # None: the device's memory
+    calibration: Calibration | None = None  # per-MFC corrections from real runs
 
     @property
     def memory_limit(self) -> float:
@@ -78,8 +81,10 @@ class Evaluator:
     def seconds(self, name: str, layout: Layout) -> float:
         key = (name, layout)
         if key not in self._seconds:
-            self._seconds[key] = mfc_seconds(self.problem.works[name], layout,
-                                             self.problem.cluster)
+            calibration = self.problem.calibration
+            self._seconds[key] = corrected_seconds(
+                self.problem.works[name], layout, self.problem.cluster,
+                calibration.correction(name) if calibration else None)
         return self._seconds[key]
 
     def realloc(self, name: str, layouts: dict[str, Layout]) -> float:

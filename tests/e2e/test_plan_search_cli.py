@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from e2e_helpers import run_cli
@@ -27,3 +30,29 @@ def test_a_ppo_run_with_a_searched_allocation_trains_on_it(cli_env, tmp_path):
                           + (f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"))
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [1, 2]
+
+
+@pytest.mark.slow
+def test_profile_plan_calibrates_the_search_that_a_run_with_the_same_keys_then_uses(cli_env,
+                                                                                   tmp_path):
+    keys = ["n_devices_per_node=2", "dataset.batch_size=4", "group_size=2",
+            "gen.max_new_tokens=4", "ppo.disable_value=true", "ppo.adv_estimator=grpo"]
+    profiled = subprocess.run(
+        [sys.executable, "-m", "realrl.apps.profile_plan", "ppo-math", *keys, "--steps", "2",
+         "--work-dir", str(tmp_path / "probes")],
+        env=cli_env, capture_output=True, text=True, timeout=600)
+    assert profiled.returncode == 0, profiled.stderr[-3000:]
+    # the three probes ran (one worker, both data-parallel, tensor-parallel) and were fitted
+    for probe in ("*:d1@0", "d2", "d1t2"):
+        assert f"| `{probe}` | step |" in profiled.stdout
+    for mfc in ("actor_gen", "rew_inf", "actor_train"):
+        assert re.search(rf"^  {mfc} +scale [0-9.]+, offset -?[0-9.]+ s, t2 ", profiled.stdout,
+                         re.MULTILINE), profiled.stdout
+    cache = Path(cli_env["REALRL_CACHE"]) / "plan"
+    (calibration,) = cache.glob("calibration-*.json")
+    dry = run_cli("ppo-math", [*keys, "allocation_mode=search", "--dry-run"], cli_env)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert f"per-MFC costs calibrated by real runs: {calibration}" in dry.stdout + dry.stderr
+    other = run_cli("ppo-math", [*keys, "gen.max_new_tokens=6", "allocation_mode=search",
+                                 "--dry-run"], cli_env)
+    assert "per-MFC costs not calibrated" in other.stdout + other.stderr  # another workload

@@ -30,9 +30,24 @@ def test_the_cpu_profile_is_read_from_the_cache_per_machine_and_thread_count(tmp
                "layer_overhead_s": 1e-4}
     path = devices.profile_cache_path(2)
     assert path.parent == tmp_path / "plan" and path.name.startswith("cpu-2t-")
+    assert path.name.endswith(f"-v{devices.PROFILE_VERSION}.json")
     assert devices.profile_cache_path(1) != path
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(profile))
     cpu = devices.cpu_device(2, memory_bytes=8e9)  # no profiling run: the cache answers
     assert cpu.flops("float32") == 1e11 and cpu.flops("bfloat16") == 2e11
     assert cpu.memory_bytes == 8e9 and cpu.kernel_overhead_s == 1e-4 and not cpu.is_gpu
+
+
+def test_the_calibration_measures_a_two_process_gloo_all_reduce():
+    from realrl.plan.calibrate import gloo_all_reduce
+
+    link = gloo_all_reduce(threads=1)
+    # loopback between two processes: well under 50 ms a step, and at least 10 MB/s
+    assert 0 < link["gloo_latency_s"] < 0.05
+    assert link["gloo_bandwidth_bytes_per_s"] > 1e7
+    cpu = devices.cpu_device_from_profile(
+        {"threads": 1, "matmul_float32_flops_per_s": 1e11, "matmul_bfloat16_flops_per_s": 2e11,
+         "copy_bytes_per_s": 1e10, "layer_overhead_s": 1e-4, **link}, memory_bytes=8e9)
+    assert cpu.intra_node.latency_s == link["gloo_latency_s"]
+    assert cpu.intra_node.bandwidth_bytes_per_s == link["gloo_bandwidth_bytes_per_s"]

@@ -1,0 +1,213 @@
+"""Calibrate `allocation_mode=search` on this machine: short real runs under probe allocations.
+
+    python -m realrl.apps.profile_plan ppo-math [key=value ...] [--steps 6]
+
+Takes the same experiment, overrides, ``--config`` and ``--import`` as
+`realrl.apps.quickstart`, and runs the experiment through that CLI for ``--steps`` steps
+under each probe allocation: every MFC on worker 0 (``*:d1@0``), every MFC data-parallel
+over all workers (``dN``), and every MFC ``d(N/2)t2`` when all of them can be split in two.
+Each MFC's median seconds over the steps after the first (`timing/<mfc>`, with the forward
+a train MFC sends ahead) are fitted per MFC (`realrl.plan.calibration`) and cached, keyed by
+the workload, the cluster and this machine's CPU profile; `allocation_mode=search` with the
+same keys then prices plans with the fit. Prints, per probe and MFC, the prediction before and
+after the fit against the measurement. Runs go to a temporary directory (``--work-dir`` keeps
+them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, TextIO
+
+from realrl.api.allocation_mode import parse_allocation_mode
+from realrl.api.config import ConfigError, resolve_config
+from realrl.api.registry import RegistryError, get_experiment, import_user_module, load_plugins
+from realrl.launcher.plan import workers_without_gpus
+from realrl.plan.calibration import ProbeSample, corrected_seconds, fit, save_calibration
+from realrl.plan.candidates import candidate_layouts
+from realrl.plan.choose import launch_problem
+from realrl.plan.costs import Layout, mfc_seconds
+from realrl.plan.search import Evaluator, SearchProblem
+
+logger = logging.getLogger("realrl.apps.profile_plan")
+USAGE_EXIT_CODE = 2
+# Keys the probes set themselves; the user's values of them are dropped.
+PROBE_KEYS = ("allocation_mode", "total_train_steps", "output_root", "experiment_name",
+              "trial_name", "recover_mode", "wandb.mode", "tensorboard", "save_freq_steps")
+
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m realrl.apps.profile_plan",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", help="registered experiment name")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, as for a run")
+    parser.add_argument("--config", action="append", default=[], help="YAML config file")
+    parser.add_argument("--import", dest="imports", action="append", default=[],
+                        help="module path or .py file that registers experiments")
+    parser.add_argument("--steps", type=int, default=6,
+                        help="steps per probe run; the first (warm-up) is not measured")
+    parser.add_argument("--work-dir", default=None,
+                        help="keep the probe runs here (default: a temporary directory)")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per probe run")
+    return parser.parse_intermixed_args(argv)
+
+
+def probe_allocations(problem: SearchProblem) -> list[str]:
+    """``*:d1@0``; ``dN`` with N > 1 workers; ``d(N/2)t2`` when every MFC has that layout."""
+    size = problem.cluster.size
+    probes = ["*:d1@0"]
+    if size > 1:
+        probes.append(f"d{size}")
+        if size % 2 == 0 and all(
+                any(layout.strategy.tensor == 2 and layout.mesh.size == size
+                    for layout in candidate_layouts(work, problem.cluster, False, (1,)))
+                for work in problem.works.values() if work.model is not None):
+            probes.append(f"d{size // 2}t2")
+    return probes
+
+
+def probe_layouts(problem: SearchProblem, allocation_mode: str) -> dict[str, Layout]:
+    """The layouts a probe gives each MFC, with the MFC's configured micro-batch count."""
+    cluster = problem.cluster
+    allocations = parse_allocation_mode(allocation_mode, list(problem.works), cluster.n_nodes,
+                                        cluster.n_devices_per_node)
+    return {name: Layout(allocations[name].mesh, allocations[name].strategy,
+                         work.microbatch_choices[0] if work.microbatch_choices else 1)
+            for name, work in problem.works.items()}
+
+
+def measured_mfc_seconds(metrics_path: Path, mfc_names: list[str]) -> tuple[dict[str, float],
+                                                                               float]:
+    """Each MFC's median seconds (its `timing/<mfc>` plus `timing/<mfc>/forward` when it sent a
+    forward ahead) and the median step, over the steps after the first."""
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
+    measured = records[1:] or records
+    if not measured:
+        raise RuntimeError(f"{metrics_path} has no step")
+    seconds = {}
+    for name in mfc_names:
+        values = [record.get(f"timing/{name}", 0.0) + record.get(f"timing/{name}/forward", 0.0)
+                  for record in measured if f"timing/{name}" in record]
+        if values:
+            seconds[name] = statistics.median(values)
+    return seconds, statistics.median(record["timing/step_s"] for record in measured)
+
+
+def _user_overrides(overrides: list[str]) -> list[str]:
+    return [item for item in overrides if item.split("=", 1)[0].lstrip("+~") not in PROBE_KEYS]
+
+
+def run_probe(args: argparse.Namespace, allocation_mode: str, index: int,
+              work_dir: Path) -> Path:
+    """One probe run through the CLI; returns its metrics.jsonl."""
+    trial = f"probe{index}"
+    command = [sys.executable, "-m", "realrl.apps.quickstart", args.experiment,
+               *[f"--config={path}" for path in args.config],
+               *[f"--import={module}" for module in args.imports],
+               *_user_overrides(args.overrides),
+               f"allocation_mode='{allocation_mode}'", f"total_train_steps={args.steps}",
+               f"output_root={work_dir}", "experiment_name=profile-plan", f"trial_name={trial}",
+               "recover_mode=disabled", "wandb.mode=disabled", "tensorboard=false",
+               "save_freq_steps=0"]
+    log_path = work_dir / f"{trial}.log"
+    logger.info("probe %d: allocation_mode=%s (%d steps; log %s)", index, allocation_mode,
+                args.steps, log_path)
+    with open(log_path, "w") as log:
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=args.timeout_s, env=os.environ.copy())
+    if result.returncode != 0:
+        tail = log_path.read_text().splitlines()[-20:]
+        raise RuntimeError(f"probe run with allocation_mode={allocation_mode} exited "
+                           f"{result.returncode}; last lines of {log_path}:\n" + "\n".join(tail))
+    return work_dir / "profile-plan" / trial / "metrics.jsonl"
+
+
+def profile(args: argparse.Namespace, config: Any, out: TextIO) -> Path:
+    spec = config.build()
+    graph = spec.graph()
+    problem = launch_problem(config, spec, graph, workers_without_gpus(config),
+                             calibrated=False)
+    probes = probe_allocations(problem)
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="realrl-profile-plan-")).resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    samples: dict[str, list[ProbeSample]] = {name: [] for name in problem.works}
+    steps: list[tuple[str, dict[str, Layout], dict[str, float], float]] = []
+    try:
+        for index, allocation_mode in enumerate(probes):
+            layouts = probe_layouts(problem, allocation_mode)
+            metrics = run_probe(args, allocation_mode, index, work_dir)
+            measured, step = measured_mfc_seconds(metrics, list(problem.works))
+            for name, seconds in measured.items():
+                samples[name].append(ProbeSample(layouts[name], seconds))
+            steps.append((allocation_mode, layouts, measured, step))
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    calibration = fit(problem.works, problem.cluster, samples)
+    path = save_calibration(problem.works, problem.cluster, calibration)
+    calibrated = Evaluator(SearchProblem(problem.works, problem.dependencies, problem.cluster,
+                                         calibration=calibration))
+    uncalibrated = Evaluator(problem)
+    lines = [f"device: {problem.cluster.device.name}, {problem.cluster.size} worker(s)", "",
+             "| probe | MFC | layout | model s | measured s | calibrated s |",
+             "|---|---|---|---|---|---|"]
+    for allocation_mode, layouts, measured, step in steps:
+        for name, work in problem.works.items():
+            layout = layouts[name]
+            fitted = corrected_seconds(work, layout, problem.cluster,
+                                       calibration.correction(name))
+            seconds = f"{measured[name]:.4f}" if name in measured else "-"
+            lines.append(f"| `{allocation_mode}` | {name} | {layout.strategy} | "
+                         f"{mfc_seconds(work, layout, problem.cluster):.4f} | {seconds} | "
+                         f"{fitted:.4f} |")
+        lines.append(f"| `{allocation_mode}` | step | | "
+                     f"{uncalibrated.plan(layouts).step_seconds:.4f} | {step:.4f} | "
+                     f"{calibrated.plan(layouts).step_seconds:.4f} |")
+    lines += ["", "per MFC: seconds = scale x compute + offset (by tensor size) + communication"]
+    for name, correction in calibration.corrections:
+        tensor = "".join(f", t{t} {o:.4f}" for t, o in correction.tensor_offsets_s)
+        lines.append(f"  {name:<14} scale {correction.scale:.3f}, offset {correction.offset_s:.4f}"
+                     f" s{tensor}")
+    lines += ["", f"calibration written to {path}; allocation_mode=search with the same keys "
+              "uses it"]
+    out.write("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(levelname)s %(message)s")
+    args = parse_arguments(argv)
+    try:
+        import realrl.experiments  # noqa: F401  (registers the built-in experiments)
+
+        load_plugins()
+        for module in args.imports:
+            import_user_module(module)
+        entry = get_experiment(args.experiment)
+        config = resolve_config(entry.config_class, _user_overrides(args.overrides),
+                                args.config, defaults={"experiment_name": entry.name})
+        if args.steps < 2:
+            raise ConfigError(["--steps must be at least 2: the first step is a warm-up and "
+                               "is not measured"])
+        profile(args, config, out)
+        return 0
+    except (ConfigError, RegistryError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return USAGE_EXIT_CODE
+    except RuntimeError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
