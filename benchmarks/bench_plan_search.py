@@ -75,16 +75,11 @@ def calibrate(args: argparse.Namespace, experiment: str) -> list[str]:
     """Run `realrl.apps.profile_plan` for the experiment's keys; the probes' allocations."""
     from realrl.apps import profile_plan
 
-    argv = ["ppo-math", *overrides(args, experiment, "auto", "profile"), "--steps",
-            str(args.steps), "--work-dir", str(args.work_dir / "profile" / experiment)]
-    if profile_plan.main(argv) != 0:
-        raise SystemExit(f"profiling {experiment} failed")
-    entry = get_experiment("ppo-math")
-    config = resolve_config(entry.config_class, overrides(args, experiment, "auto", "p"), [],
-                            defaults={"experiment_name": entry.name})
-    spec = config.build()
-    problem = launch_problem(config, spec, spec.graph(), cpu_workers=True, calibrated=False)
-    return profile_plan.probe_allocations(problem)
+    options = profile_plan.parse_arguments(
+        ["ppo-math", *overrides(args, experiment, "auto", "profile"), "--steps", str(args.steps),
+         "--work-dir", str(args.work_dir / "profile" / experiment)])
+    _, probes = profile_plan.profile(options, profile_plan.resolve(options), sys.stdout)
+    return probes
 
 
 def overrides(args: argparse.Namespace, experiment: str, plan: str, trial: str) -> list[str]:

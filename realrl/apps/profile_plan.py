@@ -32,6 +32,7 @@ from realrl.api.allocation_mode import parse_allocation_mode
 from realrl.api.config import ConfigError, resolve_config
 from realrl.api.registry import RegistryError, get_experiment, import_user_module, load_plugins
 from realrl.launcher.plan import workers_without_gpus
+from realrl.launcher.preflight import prepare_launch
 from realrl.plan.calibration import ProbeSample, corrected_seconds, fit, save_calibration
 from realrl.plan.candidates import candidate_layouts
 from realrl.plan.choose import launch_problem
@@ -131,10 +132,13 @@ def run_probe(args: argparse.Namespace, allocation_mode: str, index: int,
     return work_dir / "profile-plan" / trial / "metrics.jsonl"
 
 
-def profile(args: argparse.Namespace, config: Any, out: TextIO) -> Path:
-    spec = config.build()
-    graph = spec.graph()
-    problem = launch_problem(config, spec, graph, workers_without_gpus(config),
+def profile(args: argparse.Namespace, config: Any, out: TextIO) -> tuple[Path, list[str]]:
+    """Run the probes, fit, cache and print; (the calibration's path, the probes)."""
+    # The checks of a start, and the default model paths filled in (the model shapes are read
+    # from their config.json); `auto` so that no search runs here.
+    config.allocation_mode = "auto"
+    launch = prepare_launch(config)
+    problem = launch_problem(config, launch.spec, launch.graph, workers_without_gpus(config),
                              calibrated=False)
     probes = probe_allocations(problem)
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="realrl-profile-plan-")).resolve()
@@ -180,7 +184,23 @@ def profile(args: argparse.Namespace, config: Any, out: TextIO) -> Path:
     lines += ["", f"calibration written to {path}; allocation_mode=search with the same keys "
               "uses it"]
     out.write("\n".join(lines) + "\n")
-    return path
+    return path, probes
+
+
+def resolve(args: argparse.Namespace) -> Any:
+    """The experiment's config from the arguments, as `realrl.apps.quickstart` resolves it."""
+    import realrl.experiments  # noqa: F401  (registers the built-in experiments)
+
+    load_plugins()
+    for module in args.imports:
+        import_user_module(module)
+    entry = get_experiment(args.experiment)
+    config = resolve_config(entry.config_class, _user_overrides(args.overrides), args.config,
+                            defaults={"experiment_name": entry.name})
+    if args.steps < 2:
+        raise ConfigError(["--steps must be at least 2: the first step is a warm-up and is not "
+                           "measured"])
+    return config
 
 
 def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
@@ -188,18 +208,7 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(levelname)s %(message)s")
     args = parse_arguments(argv)
     try:
-        import realrl.experiments  # noqa: F401  (registers the built-in experiments)
-
-        load_plugins()
-        for module in args.imports:
-            import_user_module(module)
-        entry = get_experiment(args.experiment)
-        config = resolve_config(entry.config_class, _user_overrides(args.overrides),
-                                args.config, defaults={"experiment_name": entry.name})
-        if args.steps < 2:
-            raise ConfigError(["--steps must be at least 2: the first step is a warm-up and "
-                               "is not measured"])
-        profile(args, config, out)
+        profile(args, resolve(args), out)
         return 0
     except (ConfigError, RegistryError) as exc:
         sys.stderr.write(f"error: {exc}\n")
