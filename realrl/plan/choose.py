@@ -78,6 +78,12 @@ def launch_problem(config: Any, spec: ExperimentSpec, graph: DataflowGraph,
     cluster = Cluster(config.n_nodes, config.n_devices_per_node,
                       resolve_device(config, cpu_workers))
     calibration = load_calibration(works, cluster) if calibrated else None
+    if calibration is not None:
+        logger.info("plan search: per-MFC costs calibrated by real runs (%s)", calibration.source)
+    elif calibrated and not cluster.device.is_gpu:
+        logger.info("plan search: per-MFC costs not calibrated for this workload; `python -m "
+                    "realrl.apps.profile_plan <experiment> <the same key=value ...>` measures "
+                    "them")
     return SearchProblem(works, dependencies, cluster, calibration=calibration)
 
 
