@@ -18,8 +18,9 @@ from pathlib import Path
 
 from realrl.api import environment
 from realrl.api.config import BaseExperimentConfig, usable_cores
+from realrl.api.ports import free_port
 from realrl.launcher.plan import LaunchPlan
-from realrl.launcher.prepare import free_port, preemption_message, prepare_run
+from realrl.launcher.prepare import preemption_message, prepare_run
 from realrl.launcher.processes import (
     ProcessFailure,
     ProcessSpec,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import re
 import shlex
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -97,13 +96,6 @@ def write_run_files(config: BaseExperimentConfig, plan: LaunchPlan) -> RunPlan:
     if not (run_dir / ".secret").exists():
         create_run_secret(run_dir)
     return run_plan
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for the master's rendezvous store."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def preemption_message(run_dir: Path, how: str) -> str:

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from realrl.api.config import BaseExperimentConfig, ConfigError, RecoverMode
-from realrl.launcher.prepare import free_port, preemption_message, prepare_run
+from realrl.api.ports import free_port
+from realrl.launcher.prepare import preemption_message, prepare_run
 from realrl.launcher.processes import is_log_only
 from realrl.launcher.slurm_checks import sbatch_fix
 from realrl.launcher.slurm_script import (

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from realrl.api.ports import free_port
 
 
 def _fastest_seconds(function, repeats: int = 5, inner: int = 1) -> float:
@@ -104,17 +105,11 @@ def _gloo_rank(rank: int, port: int, threads: int, results) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def gloo_all_reduce(threads: int) -> dict:
     """Latency and bandwidth of a two-process gloo ring on this machine (see the docstring)."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [context.Process(target=_gloo_rank, args=(rank, port, threads, results))
              for rank in range(2)]
     for process in ranks:

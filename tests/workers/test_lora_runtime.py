@@ -194,7 +194,7 @@ def logprobs_of(model, part: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_lora_roles_share_the_base_and_move_only_adapters(tmp_path):
-    from realrl.launcher.prepare import free_port
+    from realrl.api.ports import free_port
     from realrl.models.lora import add_adapters
 
     model_path = str(fresh_default_model(tmp_path / "model"))

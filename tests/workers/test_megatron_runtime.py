@@ -111,7 +111,7 @@ def run_worker(rank: int, port: int, model_path: str, result_dir: str) -> None:
 def spawn_world(tmp_path_factory, name: str, worker) -> tuple:
     """Run `worker(rank, port, model_path, result_dir)` on `WORLD` spawned ranks over the tiny
     default model; (result_dir, the model's config, {rank: the rank's saved results})."""
-    from realrl.launcher.prepare import free_port
+    from realrl.api.ports import free_port
 
     directory = tmp_path_factory.mktemp(name)
     model_path = str(fresh_default_model(directory / "model"))

@@ -214,7 +214,7 @@ ETAS = (1.0, 0.5, 0.01)
 def run_cases(tmp_path, cases: list[dict], shared_memory: bool = True) -> tuple[dict, dict]:
     """Runs every case in one set of processes; returns (initial, trained) full parameters.
     Broadcasts go through shared memory or, with `shared_memory=False`, through gloo."""
-    from realrl.launcher.prepare import free_port
+    from realrl.api.ports import free_port
 
     model_path = fresh_default_model(tmp_path / "model")
     world = max(world_size(layouts) for layouts in cases)
@@ -356,7 +356,7 @@ def posted_send_worker(rank, port, model_path, result_dir, shared_memory):
 def test_a_posted_send_returns_before_the_receiver_and_sends_the_weights_it_had(
     tmp_path, shared_memory
 ):
-    from realrl.launcher.prepare import free_port
+    from realrl.api.ports import free_port
 
     model_path = fresh_default_model(tmp_path / "model")
     start_ranks(posted_send_worker, (free_port(), str(model_path), str(tmp_path), shared_memory), 2)

@@ -171,7 +171,7 @@ def full_parameters(results: dict, key: str, dp: int, config) -> dict[str, torch
 
 
 def test_tensor_parallel_runtime_trains_checkpoints_and_generates_like_one_device(tmp_path):
-    from realrl.launcher.prepare import free_port
+    from realrl.api.ports import free_port
 
     model_path = str(fresh_default_model(tmp_path / "model"))
     os.environ["OMP_NUM_THREADS"] = "1"
