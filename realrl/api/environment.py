@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from realrl.api.config import ConfigError
 
@@ -18,11 +19,17 @@ CORE_SHARE = "REALRL_CORE_SHARE"
 # Set by the local launcher for the master: that file, which the master removes once every
 # worker has mapped it.
 CORE_SHARE_FILE = "REALRL_CORE_SHARE_FILE"
-# Where the built-in default model is built and cached; default ~/.cache/realrl.
+# Where the built-in default model is built and cached, and the plan search's profiles,
+# calibrations and results; default ~/.cache/realrl (`cache_dir`).
 CACHE = "REALRL_CACHE"
 # "0" makes CPU ranks on one machine sum gradients and send weights through gloo's sockets
 # instead of shared memory (`realrl.backends.shared_memory`).
 SHARED_MEMORY = "REALRL_SHARED_MEMORY"
+
+
+def cache_dir() -> Path:
+    """realrl's cache directory: `$REALRL_CACHE`, else ~/.cache/realrl."""
+    return Path(os.environ.get(CACHE, Path.home() / ".cache" / "realrl")).expanduser()
 
 
 def shared_memory_enabled() -> bool:

@@ -17,9 +17,9 @@ them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
-import os
 import shutil
 import statistics
 import subprocess
@@ -124,7 +124,7 @@ def run_probe(args: argparse.Namespace, allocation_mode: str, index: int,
                 args.steps, log_path)
     with open(log_path, "w") as log:
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=args.timeout_s, env=os.environ.copy())
+                                timeout=args.timeout_s)
     if result.returncode != 0:
         tail = log_path.read_text().splitlines()[-20:]
         raise RuntimeError(f"probe run with allocation_mode={allocation_mode} exited "
@@ -158,8 +158,7 @@ def profile(args: argparse.Namespace, config: Any, out: TextIO) -> tuple[Path, l
             shutil.rmtree(work_dir, ignore_errors=True)
     calibration = fit(problem.works, problem.cluster, samples)
     path = save_calibration(problem.works, problem.cluster, calibration)
-    calibrated = Evaluator(SearchProblem(problem.works, problem.dependencies, problem.cluster,
-                                         calibration=calibration))
+    calibrated = Evaluator(dataclasses.replace(problem, calibration=calibration))
     uncalibrated = Evaluator(problem)
     lines = [f"device: {problem.cluster.device.name}, {problem.cluster.size} worker(s)", "",
              "| probe | MFC | layout | model s | measured s | calibrated s |",

@@ -16,7 +16,6 @@ building it; `python -m realrl.launcher.warm_start` rebuilds it into the cache.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -34,16 +33,12 @@ WARM_START_OVERRIDES = [
 ]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get(environment.CACHE, Path.home() / ".cache" / "realrl")).expanduser()
-
-
 def default_model_path(config, section: str) -> Path:
     default_model = getattr(config, "default_model", "warm")
     if default_model == "fresh":
         from realrl.launcher.defaults import fresh_default_model  # imports torch
 
-        return fresh_default_model(cache_dir() / "default-fresh")
+        return fresh_default_model(environment.cache_dir() / "default-fresh")
     if default_model == "tool":
         return ensure_tool_warm_start()
     return ensure_warm_start()
@@ -61,10 +56,10 @@ def ensure_warm_start(use_packaged: bool = True) -> Path:
     import circle (preflight -> warm_start -> runner -> prepare -> preflight)."""
     if use_packaged and (PACKAGED_ACTOR / "config.json").is_file():
         return PACKAGED_ACTOR
-    target = cache_dir() / f"default-actor-{WARM_START_VERSION}"
+    target = environment.cache_dir() / f"default-actor-{WARM_START_VERSION}"
     if (target / "config.json").is_file():
         return target
-    build_root = cache_dir() / "build"
+    build_root = environment.cache_dir() / "build"
     logger.info("building the default actor (SFT warm start) into %s; done once", target)
     _build(build_command(build_root), build_root / "default-actor" / WARM_START_VERSION, target)
     return target
@@ -107,10 +102,10 @@ def ensure_tool_warm_start(use_packaged: bool = True) -> Path:
     `python -m realrl.launcher.warm_start agent` rebuilds it into the cache)."""
     if use_packaged and (PACKAGED_AGENT / "config.json").is_file():
         return PACKAGED_AGENT
-    target = cache_dir() / f"default-agent-{TOOL_WARM_START_VERSION}"
+    target = environment.cache_dir() / f"default-agent-{TOOL_WARM_START_VERSION}"
     if (target / "config.json").is_file():
         return target
-    build_root = cache_dir() / "build"
+    build_root = environment.cache_dir() / "build"
     logger.info("building ppo-agent's default actor (SFT on tool calls) into %s; done once",
                 target)
     _build(tool_build_command(build_root, ensure_warm_start()),

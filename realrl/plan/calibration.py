@@ -5,7 +5,7 @@ small model that is a fraction of what a call takes: the master's request and th
 its results, packing, the decode loop's sampling and stopping in Python, the loss and the
 optimizer's per-parameter kernels. `python -m realrl.apps.profile_plan` runs the experiment
 for a few steps under *probe* allocations (every MFC on one worker; every MFC data-parallel
-over all workers; and, when tensor parallelism is possible, every MFC ``d1tN``), reads each
+over all N workers; and, when every MFC can be split in two, every MFC ``d(N/2)t2``), reads each
 MFC's measured seconds from ``metrics.jsonl``, and fits per MFC
 
     measured = scale x compute + offset + communication
@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from realrl.api import environment
@@ -79,11 +78,13 @@ def communication_seconds(work: MFCWork, layout: Layout, cluster: Cluster) -> fl
 
 def corrected_seconds(work: MFCWork, layout: Layout, cluster: Cluster,
                       correction: MFCCorrection | None) -> float:
+    """``scale x compute + offset + communication``: `mfc_seconds` with its compute term
+    rescaled and the offset added (the model alone without a correction)."""
+    seconds = mfc_seconds(work, layout, cluster)
     if correction is None:
-        return mfc_seconds(work, layout, cluster)
-    return (correction.scale * compute_seconds(work, layout, cluster.device)
-            + correction.offset_for(layout.strategy.tensor)
-            + communication_seconds(work, layout, cluster))
+        return seconds
+    return (seconds + (correction.scale - 1) * compute_seconds(work, layout, cluster.device)
+            + correction.offset_for(layout.strategy.tensor))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +124,9 @@ def fit_correction(work: MFCWork, cluster: Cluster, samples: list[ProbeSample]) 
 
 
 def fit(works: dict[str, MFCWork], cluster: Cluster,
-        samples: dict[str, list[ProbeSample]], source: str = "") -> Calibration:
+        samples: dict[str, list[ProbeSample]]) -> Calibration:
     return Calibration(tuple((name, fit_correction(works[name], cluster, samples[name]))
-                             for name in works if samples.get(name)), source)
+                             for name in works if samples.get(name)))
 
 
 def calibration_path(works: dict[str, MFCWork], cluster: Cluster) -> Path:
@@ -134,8 +135,7 @@ def calibration_path(works: dict[str, MFCWork], cluster: Cluster) -> Path:
     again."""
     key = repr((tuple(works.values()), cluster)).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
-    root = Path(os.environ.get(environment.CACHE, Path.home() / ".cache" / "realrl"))
-    return root.expanduser() / "plan" / f"calibration-{digest}.json"
+    return environment.cache_dir() / "plan" / f"calibration-{digest}.json"
 
 
 def load_calibration(works: dict[str, MFCWork], cluster: Cluster) -> Calibration | None:

@@ -95,8 +95,7 @@ def _cache_path(problem: SearchProblem, time_budget_s: float) -> Path:
                                          "search.py"))
     key = repr((problem, time_budget_s)).encode() + model_source
     digest = hashlib.sha256(key).hexdigest()[:16]
-    root = Path(os.environ.get(environment.CACHE, Path.home() / ".cache" / "realrl"))
-    return root.expanduser() / "plan" / f"search-{digest}.json"
+    return environment.cache_dir() / "plan" / f"search-{digest}.json"
 
 
 def _layouts_to_json(layouts: dict[str, Layout]) -> dict:

@@ -145,8 +145,7 @@ PROFILE_VERSION = 2
 
 
 def profile_cache_path(threads: int) -> Path:
-    root = Path(os.environ.get(environment.CACHE, Path.home() / ".cache" / "realrl"))
-    return root.expanduser() / "plan" / f"{machine_key(threads)}-v{PROFILE_VERSION}.json"
+    return environment.cache_dir() / "plan" / f"{machine_key(threads)}-v{PROFILE_VERSION}.json"
 
 
 def cpu_profile(threads: int, timeout_s: float = 120.0) -> dict:

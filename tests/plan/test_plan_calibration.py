@@ -127,3 +127,16 @@ def test_the_probes_own_keys_replace_the_users():
     assert _user_overrides(["allocation_mode=search", "gen.max_new_tokens=16",
                             "total_train_steps=400", "+trial_name=x", "seed=3"]) == \
         ["gen.max_new_tokens=16", "seed=3"]
+
+
+def test_profile_plan_refuses_bad_input_before_any_probe_runs(capsys, tmp_path):
+    from realrl.apps.profile_plan import main
+
+    work_dir = tmp_path / "probes"
+    assert main(["ppo-math", "--steps", "1", "--work-dir", str(work_dir)]) == 2
+    assert "--steps must be at least 2" in capsys.readouterr().err
+    assert main(["ppo-math", "gen.max_new_tokenz=4", "--work-dir", str(work_dir)]) == 2
+    assert "gen.max_new_tokenz" in capsys.readouterr().err
+    assert main(["no-such-experiment", "--work-dir", str(work_dir)]) == 2
+    assert "no-such-experiment" in capsys.readouterr().err
+    assert not work_dir.exists()  # nothing ran
