@@ -121,13 +121,18 @@ def gloo_all_reduce(threads: int) -> dict:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+    return gloo_link(timings["small"], timings["large"])
+
+
+def gloo_link(small_s: float, large_s: float) -> dict:
+    """The profile's gloo keys from the median small (8 KB) and large (8 MB) all-reduce."""
     # A ring all-reduce of n = 2 ranks: 2 steps, each moving half the bytes (costs.py).
-    latency = timings["small"] / 2
-    large_bytes = LARGE_ALL_REDUCE_VALUES * 4
+    latency = small_s / 2
     # On a loaded machine the two medians can come from different moments; the bytes never
     # take less than half the large all-reduce's time (a 2-step ring of 8 MB is no latency).
-    transfer = max(timings["large"] - 2 * latency, timings["large"] / 2)
-    return {"gloo_latency_s": latency, "gloo_bandwidth_bytes_per_s": large_bytes / transfer}
+    transfer = max(large_s - 2 * latency, large_s / 2)
+    return {"gloo_latency_s": latency,
+            "gloo_bandwidth_bytes_per_s": LARGE_ALL_REDUCE_VALUES * 4 / transfer}
 
 
 def measure(threads: int) -> dict:

@@ -51,3 +51,16 @@ def test_the_calibration_measures_a_two_process_gloo_all_reduce():
          "copy_bytes_per_s": 1e10, "layer_overhead_s": 1e-4, **link}, memory_bytes=8e9)
     assert cpu.intra_node.latency_s == link["gloo_latency_s"]
     assert cpu.intra_node.bandwidth_bytes_per_s == link["gloo_bandwidth_bytes_per_s"]
+
+
+def test_gloo_link_by_hand_and_its_floor_when_the_medians_disagree():
+    from realrl.plan.calibrate import LARGE_ALL_REDUCE_VALUES, gloo_link
+
+    large_bytes = LARGE_ALL_REDUCE_VALUES * 4  # 8 MiB
+    # 0.4 ms for 8 KB (2 steps of 0.2 ms); 20.4 ms for 8 MiB: 20 ms of bytes
+    link = gloo_link(4e-4, 2.04e-2)
+    assert link["gloo_latency_s"] == pytest.approx(2e-4)
+    assert link["gloo_bandwidth_bytes_per_s"] == pytest.approx(large_bytes / 2e-2)
+    # a small median above the large one (a loaded moment): the bytes take half the large time
+    assert gloo_link(3e-2, 2e-2)["gloo_bandwidth_bytes_per_s"] == pytest.approx(
+        large_bytes / 1e-2)
