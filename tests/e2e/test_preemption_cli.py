@@ -1,5 +1,11 @@
 """Graceful preemption and checkpoints that survive crashes, through the real CLI (issue 26).
 
+The ppo-math runs here have the recoverable settings (`RECOVERABLE_PPO`: weights, optimizer and
+LR schedule, sampling RNG, data position, adaptive KL coefficient, value normaliser and EMA
+reference all in play), each compared with one uninterrupted reference run of them:
+
+- the launcher alone SIGKILLed after a checkpoint: its children exit on their own, and
+  `recover_mode=auto` ends the run with exactly the reference's weights and metrics;
 - SIGTERM to the launcher mid-run: the master finishes its step and writes a checkpoint, the run
   exits with 75 and prints the exact command that resumes it, no process is left, and that
   command ends the run with exactly the weights and metrics of a run never interrupted.
@@ -12,6 +18,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shlex
 import signal
@@ -55,6 +62,34 @@ def reference(settings, cli_env, tmp_path_factory):
                                   f"output_root={output_root}"], cli_env)
     assert result.returncode == 0, describe(result)
     return output_root / "ppo-math" / "trial0"
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_its_children_and_the_run_resumes_bit_exact(
+    settings, reference, cli_env, tmp_path
+):
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    resumable = [*settings, "save_freq_steps=1", f"output_root={tmp_path}", "recover_mode=auto"]
+    launcher = start_cli("ppo-math", resumable, cli_env, tmp_path / "first_attempt")
+    try:
+        wait_until((run_dir / "checkpoints" / "step000002").is_dir, 300,
+                   "the step-2 checkpoint", launcher)
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher only: each child leads its own
+        launcher.wait()  # process group, and must notice its parent's death and exit
+        assert complete_steps(run_dir)[-1] < TOTAL_STEPS, "the run finished before the kill"
+        wait_until(lambda: not processes_mentioning(str(run_dir)), 10,
+                   "the killed launcher's children to exit")
+    finally:
+        launcher.kill()
+        launcher.wait()
+        kill_leftovers(str(run_dir))
+
+    resumed = run_cli("ppo-math", resumable, cli_env)
+    assert resumed.returncode == 0, describe(resumed)
+    assert "resumed from" in (run_dir / "logs" / "master.log").read_text()
+    check_checkpoint(run_dir, reference, TOTAL_STEPS)
+    assert [without_timing(record) for record in read_metrics(run_dir)] == [
+        without_timing(record) for record in read_metrics(reference)]
 
 
 @pytest.mark.slow
