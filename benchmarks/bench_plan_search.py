@@ -22,6 +22,7 @@ Prints one markdown table per experiment and writes `results.json` in `--work-di
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -31,24 +32,33 @@ from pathlib import Path
 
 import realrl.experiments  # noqa: F401  (registers ppo-math)
 from realrl.api.allocation_mode import parse_allocation_mode
+from realrl.apps import profile_plan
 from realrl.apps.quickstart import get_experiment, resolve_config
 from realrl.launcher.preflight import prepare_launch
+from realrl.plan.calibration import ProbeSample, fit
 from realrl.plan.choose import launch_problem
 from realrl.plan.costs import Layout
-from realrl.plan.search import Evaluator
+from realrl.plan.search import Evaluator, SearchProblem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import run_quickstart  # noqa: E402
 
 logger = logging.getLogger("bench_plan_search")
 GRPO = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"]
-PLANS = {
-    "ppo": ["search", "auto", "d2", "*:d1@0", "actor_gen:d2,actor_train:d1@0,*:d2",
-            "actor_train:d1@1,*:d1@0", "actor_gen:d2,actor_train:d1@1,critic_train:d1@0,*:d2",
-            "d1t2", "actor_gen:d1@1,*:d2", "actor_gen:d1t2,*:d2"],
-    "grpo": ["search", "auto", "d2", "*:d1@0", "actor_gen:d2,actor_train:d1@0,*:d2",
-             "actor_train:d1@1,*:d1@0", "actor_gen:d1@0,*:d2", "d1t2", "actor_gen:d1t2,*:d2",
-             "actor_train:d1t2,*:d2"],
+PLANS = {  # (experiment, workers) -> the allocations measured by default
+    ("ppo", 2): ["search", "auto", "d2", "*:d1@0", "actor_gen:d2,actor_train:d1@0,*:d2",
+                 "actor_train:d1@1,*:d1@0", "actor_gen:d2,actor_train:d1@1,critic_train:d1@0,*:d2",
+                 "d1t2", "actor_gen:d1@1,*:d2", "actor_gen:d1t2,*:d2"],
+    ("grpo", 2): ["search", "auto", "d2", "*:d1@0", "actor_gen:d2,actor_train:d1@0,*:d2",
+                  "actor_train:d1@1,*:d1@0", "actor_gen:d1@0,*:d2", "d1t2", "actor_gen:d1t2,*:d2",
+                  "actor_train:d1t2,*:d2"],
+    ("ppo", 4): ["search", "auto", "d4", "*:d1@0", "d2t2", "*:d2@0-1",
+                 "actor_gen:d4,actor_train:d2@0-1,critic_train:d2@2-3,*:d4",
+                 "actor_train:d2@0-1,ref_inf:d2@0-1,critic_inf:d2@2-3,critic_train:d2@2-3,*:d4",
+                 "actor_gen:d2@0-1,*:d4", "actor_gen:d2t2,*:d4"],
+    ("grpo", 4): ["search", "auto", "d4", "*:d1@0", "d2t2", "*:d2@0-1",
+                  "actor_gen:d4,actor_train:d2@0-1,*:d4", "actor_gen:d2@0-1,*:d4",
+                  "actor_train:d2t2,*:d4", "actor_gen:d2t2,*:d4"],
 }
 
 
@@ -62,19 +72,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--plans", default="", help="comma-free ';'-separated list; default: "
-                        "PLANS of the experiment")
+                        "PLANS of the experiment and worker count (2 or 4)")
     parser.add_argument("--overrides", default="", help="more key=value overrides, space-"
                         "separated (e.g. allow_oversubscribe=true for --workers 4 on 2 cores)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--no-profile", action="store_true",
                         help="predict with the cost model alone (no calibration runs)")
+    parser.add_argument("--reprice", action="store_true",
+                        help="runs nothing: price the plans of --work-dir's results.json again "
+                        "(same keys) with the cost model and calibration now on disk")
     return parser.parse_args(argv)
 
 
 def calibrate(args: argparse.Namespace, experiment: str) -> list[str]:
     """Run `realrl.apps.profile_plan` for the experiment's keys; the probes' allocations."""
-    from realrl.apps import profile_plan
-
     options = profile_plan.parse_arguments(
         ["ppo-math", *overrides(args, experiment, "auto", "profile"), "--steps", str(args.steps),
          "--work-dir", str(args.work_dir / "profile" / experiment)])
@@ -94,8 +105,30 @@ def overrides(args: argparse.Namespace, experiment: str, plan: str, trial: str) 
     ]
 
 
-def predicted(args: argparse.Namespace, experiment: str, plan: str) -> tuple[float, str]:
-    """(predicted step seconds, the allocation_mode the plan resolves to)."""
+def unshared(problem: SearchProblem, probe_dir: Path) -> SearchProblem | None:
+    """Where the workers share cores: the same problem as if each had its own, calibrated
+    from the same probe runs (in `probe_dir`) without dividing out their sharing, as the model
+    did before `Cluster.parallel_devices_per_node`; None otherwise or without probe runs."""
+    probes = profile_plan.probe_allocations(problem)
+    runs = [probe_dir / "profile-plan" / f"probe{index}" / "metrics.jsonl"
+            for index in range(len(probes))]
+    if problem.cluster.parallel_devices_per_node is None or not all(p.is_file() for p in runs):
+        return None
+    cluster = dataclasses.replace(problem.cluster, parallel_devices_per_node=None)
+    samples: dict[str, list[ProbeSample]] = {name: [] for name in problem.works}
+    for allocation_mode, metrics in zip(probes, runs, strict=True):
+        layouts = profile_plan.probe_layouts(problem, allocation_mode)
+        seconds, _ = profile_plan.measured_mfc_seconds(metrics, list(problem.works))
+        for name, value in seconds.items():
+            samples[name].append(ProbeSample(layouts[name], value))
+    return dataclasses.replace(problem, cluster=cluster,
+                               calibration=fit(problem.works, cluster, samples))
+
+
+def predicted(args: argparse.Namespace, experiment: str,
+              plan: str) -> tuple[float, float | None, str]:
+    """(predicted step seconds, the same without core sharing where workers share cores, the
+    allocation_mode the plan resolves to)."""
     entry = get_experiment("ppo-math")
     config = resolve_config(entry.config_class, overrides(args, experiment, plan, "predict"),
                             [], defaults={"experiment_name": entry.name})
@@ -106,9 +139,11 @@ def predicted(args: argparse.Namespace, experiment: str, plan: str) -> tuple[flo
                for name, allocation in launch.allocations.items()}
     layouts = {name: layouts[name] for name in problem.works}
     plan_result = Evaluator(problem).plan(layouts)
+    without_sharing = unshared(problem, args.work_dir / "profile" / experiment)
+    unshared_s = Evaluator(without_sharing).plan(layouts).step_seconds if without_sharing else None
     resolved = ",".join(layout.text(name) for name, layout in layouts.items())
     parse_allocation_mode(resolved, list(layouts), 1, args.workers)  # round-trips
-    return plan_result.step_seconds, resolved
+    return plan_result.step_seconds, unshared_s, resolved
 
 
 def measured(args: argparse.Namespace, experiment: str, plan: str, trial: str) -> float:
@@ -124,27 +159,41 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.work_dir = Path(args.work_dir).resolve()
     results = []
-    for experiment in args.experiments.split(","):
-        plans = args.plans.split(";") if args.plans else PLANS[experiment]
+    if args.reprice:
+        results = json.loads((args.work_dir / "results.json").read_text())
+        for row in results:
+            row["predicted_s"], row["predicted_unshared_s"], _ = predicted(
+                args, row["experiment"], row["plan"])
+    for experiment in args.experiments.split(",") if not args.reprice else ():
+        if not args.plans and (experiment, args.workers) not in PLANS:
+            raise SystemExit(f"no default plans for {experiment} on {args.workers} workers; "
+                             "give --plans")
+        plans = args.plans.split(";") if args.plans else PLANS[experiment, args.workers]
         probes = [] if args.no_profile else calibrate(args, experiment)
         for index, plan in enumerate(plans):
-            prediction, resolved = predicted(args, experiment, plan)
+            prediction, unshared_s, resolved = predicted(args, experiment, plan)
             step = measured(args, experiment, plan, f"{experiment}-{index}")
             load = os.getloadavg()[0]
             results.append({"experiment": experiment, "plan": plan, "resolved": resolved,
                             "predicted_s": prediction, "measured_s": step, "load": load,
-                            "probe": plan in probes})
+                            "probe": plan in probes, "predicted_unshared_s": unshared_s})
             logger.info("%s", results[-1])
     (args.work_dir / "results.json").write_text(json.dumps(results, indent=1))
     for experiment in args.experiments.split(","):
         rows = [r for r in results if r["experiment"] == experiment]
+        shared = any(r.get("predicted_unshared_s") is not None for r in rows)
+        extra = " without core sharing: predicted s | error |" if shared else ""
         lines = [f"{experiment}:", "| allocation_mode | resolved | predicted s | measured s | "
-                 "error | load |", "|" + "---|" * 6]
+                 "error | load |" + extra, "|" + "---|" * (8 if shared else 6)]
         for r in rows:
             error = r["predicted_s"] / r["measured_s"] - 1
             probe = " (probe)" if r.get("probe") else ""
-            lines.append(f"| `{r['plan']}`{probe} | `{r['resolved']}` | {r['predicted_s']:.3f} | "
-                         f"{r['measured_s']:.3f} | {error:+.0%} | {r['load']:.1f} |")
+            line = (f"| `{r['plan']}`{probe} | `{r['resolved']}` | {r['predicted_s']:.3f} | "
+                    f"{r['measured_s']:.3f} | {error:+.0%} | {r['load']:.1f} |")
+            if shared:
+                alone = r["predicted_unshared_s"]
+                line += f" {alone:.3f} | {alone / r['measured_s'] - 1:+.0%} |"
+            lines.append(line)
         sys.stdout.write("\n".join(lines) + "\n\n")
 
 

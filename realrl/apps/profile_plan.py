@@ -166,8 +166,9 @@ def profile(args: argparse.Namespace, config: Any, out: TextIO) -> tuple[Path, l
     for allocation_mode, layouts, measured, step in steps:
         for name, work in problem.works.items():
             layout = layouts[name]
-            fitted = corrected_seconds(work, layout, problem.cluster,
-                                       calibration.correction(name))
+            # at the probe's own share of the cores, as measured (the fit is at full speed)
+            fitted = corrected_seconds(work, layout, problem.cluster, calibration.correction(
+                name)) / problem.cluster.solo_speed(layout.mesh.ranks)
             seconds = f"{measured[name]:.4f}" if name in measured else "-"
             lines.append(f"| `{allocation_mode}` | {name} | {layout.strategy} | "
                          f"{mfc_seconds(work, layout, problem.cluster):.4f} | {seconds} | "

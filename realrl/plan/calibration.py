@@ -11,7 +11,10 @@ MFC's measured seconds from ``metrics.jsonl``, and fits per MFC
     measured = scale x compute + offset + communication
 
 where ``compute`` is `realrl.plan.costs.compute_seconds` and ``communication`` the analytic
-tensor-parallel, pipeline, gradient and transfer terms of the same layout. The tp = 1 probes
+tensor-parallel, pipeline, gradient and transfer terms of the same layout, and ``measured``
+is at full speed: where a probe's call ran on more workers than the node has cores
+(`Cluster.parallel_devices_per_node`), its seconds are scaled by its share of them
+(`Cluster.solo_speed`), which the search applies again to each call by what runs beside it. The tp = 1 probes
 give (scale, offset) from two points (one point: scale 1); each probe with tensor parallelism
 adds an offset of its own for that tensor size (its collectives cost the runtime more than
 the ring formula says), keeping the tp = 1 scale. A layout whose tensor size no probe ran
@@ -101,10 +104,11 @@ def fit_correction(work: MFCWork, cluster: Cluster, samples: list[ProbeSample]) 
     With two tp = 1 samples whose compute differs by at least 10%, a line through both
     (its scale kept at zero or above: a noisy pair cannot make more compute cost less);
     otherwise scale 1 and the mean residual."""
-    points = []  # (compute, measured - communication, tp)
+    points = []  # (compute, full-speed measured - communication, tp)
     for sample in samples:
+        full_speed_s = sample.measured_s * cluster.solo_speed(sample.layout.mesh.ranks)
         points.append((compute_seconds(work, sample.layout, cluster.device),
-                       sample.measured_s - communication_seconds(work, sample.layout, cluster),
+                       full_speed_s - communication_seconds(work, sample.layout, cluster),
                        sample.layout.strategy.tensor))
     plain = [(x, y) for x, y, tensor in points if tensor == 1]
     if not plain:

@@ -54,19 +54,36 @@ def _cpu_memory_per_worker(workers_per_node: int) -> float:
     return 4 * GIB
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
+def _threads_per_worker(config: Any) -> int:
+    return max(1, _cores() // max(config.n_devices_per_node, 1))
+
+
 def resolve_device(config: Any, cpu_workers: bool) -> DeviceSpec:
     kind = config.plan.device
     if kind == "auto":
         kind = "cpu" if cpu_workers else _gpu_kind()
     if kind == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        threads = max(1, cores // max(config.n_devices_per_node, 1))
-        device = cpu_device(threads, _cpu_memory_per_worker(config.n_devices_per_node))
+        device = cpu_device(_threads_per_worker(config),
+                            _cpu_memory_per_worker(config.n_devices_per_node))
     else:
         device = analytic_device(kind)
     if config.worker_memory_gb is not None:
         device = dataclasses.replace(device, memory_bytes=config.worker_memory_gb * 1e9)
     return device
+
+
+def resolve_cluster(config: Any, cpu_workers: bool) -> Cluster:
+    """The run's nodes and device; CPU workers that outnumber this machine's cores
+    (`allow_oversubscribe=true`) share them (`Cluster.parallel_devices_per_node`)."""
+    device = resolve_device(config, cpu_workers)
+    parallel = None
+    if not device.is_gpu and _cores() // _threads_per_worker(config) < config.n_devices_per_node:
+        parallel = max(1, _cores() // _threads_per_worker(config))
+    return Cluster(config.n_nodes, config.n_devices_per_node, device, parallel)
 
 
 def launch_problem(config: Any, spec: ExperimentSpec, graph: DataflowGraph,
@@ -75,8 +92,7 @@ def launch_problem(config: Any, spec: ExperimentSpec, graph: DataflowGraph,
     realrl.apps.profile_plan` measured for this workload on this machine, when there is one
     (and `calibrated`)."""
     works, dependencies = graph_works(config, spec, graph)
-    cluster = Cluster(config.n_nodes, config.n_devices_per_node,
-                      resolve_device(config, cpu_workers))
+    cluster = resolve_cluster(config, cpu_workers)
     calibration = load_calibration(works, cluster) if calibrated else None
     if calibration is not None:
         logger.info("plan search: per-MFC costs calibrated by real runs (%s)", calibration.source)

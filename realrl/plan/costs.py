@@ -124,10 +124,31 @@ class Cluster:
     n_nodes: int
     n_devices_per_node: int
     device: DeviceSpec
+    # How many of a node's devices run at full speed at once; None: all of them (each device
+    # has its own hardware). CPU workers that outnumber the cores share them: with ``k`` of
+    # a node's workers busy, each runs at ``min(1, parallel_devices_per_node / k)``.
+    parallel_devices_per_node: int | None = None
 
     @property
     def size(self) -> int:
         return self.n_nodes * self.n_devices_per_node
+
+    def speed(self, busy_per_node: dict[int, int], ranks: tuple[int, ...]) -> float:
+        """The fraction of full speed a call on `ranks` runs at while `busy_per_node[node]` of
+        each node's devices (its own among them) are running calls."""
+        slots = self.parallel_devices_per_node
+        if slots is None:
+            return 1.0
+        nodes = {rank // self.n_devices_per_node for rank in ranks}
+        return min(min(1.0, slots / max(busy_per_node.get(node, 0), 1)) for node in nodes)
+
+    def solo_speed(self, ranks: tuple[int, ...]) -> float:
+        """`speed` of a call on `ranks` with nothing else running (a calibration probe's)."""
+        busy: dict[int, int] = {}
+        for rank in ranks:
+            node = rank // self.n_devices_per_node
+            busy[node] = busy.get(node, 0) + 1
+        return self.speed(busy, ranks)
 
     def link_within(self, ranks: tuple[int, ...]) -> Link:
         """The slowest link between `ranks`: the node interconnect once they span nodes."""

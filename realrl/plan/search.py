@@ -7,7 +7,10 @@ the MFCs it reads from have finished and every device of its mesh is free (a dev
 call at a time; MFCs on disjoint meshes overlap), first moves its role's newest weights onto
 its layout when the role is trained elsewhere (`realrl.plan.costs.realloc_seconds`), then runs
 for `mfc_seconds` (corrected by the problem's `calibration`, fitted to real runs, when it has
-one). A plan whose peak memory on any device exceeds the limit is never returned.
+one). A plan whose peak memory on any device exceeds the limit is never returned. Where a
+node's devices share its cores (CPU workers that outnumber them:
+`Cluster.parallel_devices_per_node`), calls side by side slow each other: the step is then
+simulated event by event, each running call at its share of the cores.
 
 Small spaces are enumerated; larger ones get simulated annealing from the best symmetric plan
 for 60% of the time budget, then a coordinate-descent polish (each MFC's best layout with the
@@ -96,6 +99,8 @@ class Evaluator:
                                self.problem.cluster)
 
     def timeline(self, layouts: dict[str, Layout]) -> tuple[TimelineEntry, ...]:
+        if self.problem.cluster.parallel_devices_per_node is not None:
+            return self._shared_timeline(layouts)
         finished: dict[str, float] = {}
         device_free: dict[int, float] = {}
         entries = []
@@ -109,6 +114,50 @@ class Evaluator:
             for rank in ranks:
                 device_free[rank] = entry.finish_s
             entries.append(entry)
+        return tuple(entries)
+
+    def _shared_timeline(self, layouts: dict[str, Layout]) -> tuple[TimelineEntry, ...]:
+        """The same order of calls on devices that share a node's cores: an event simulation in
+        which every running call progresses at `Cluster.speed` of the calls running beside it.
+        `seconds` are full-speed seconds (a calibration divides out each probe's own sharing),
+        so a call alone on few enough devices takes exactly them."""
+        cluster, names = self.problem.cluster, list(self.problem.works)
+        before: dict[str, set[str]] = {}  # the calls that must finish first
+        last_on: dict[int, str] = {}
+        for name in names:
+            ranks = layouts[name].mesh.ranks
+            before[name] = set(self.problem.dependencies.get(name, ()))
+            before[name] |= {last_on[rank] for rank in ranks if rank in last_on}
+            for rank in ranks:
+                last_on[rank] = name
+        full = {name: (self.realloc(name, layouts), self.seconds(name, layouts[name]))
+                for name in names}
+        left = {name: sum(full[name]) for name in names}
+        start: dict[str, float] = {}
+        finish: dict[str, float] = {}
+        now = 0.0
+        while len(finish) < len(names):
+            for name in names:
+                if name not in start and before[name] <= finish.keys():
+                    start[name] = now
+            running = [name for name in start if name not in finish]
+            busy: dict[int, int] = {}
+            for name in running:
+                for rank in layouts[name].mesh.ranks:
+                    node = rank // cluster.n_devices_per_node
+                    busy[node] = busy.get(node, 0) + 1
+            speed = {name: cluster.speed(busy, layouts[name].mesh.ranks) for name in running}
+            step = min(left[name] / speed[name] for name in running)
+            now += step
+            for name in running:
+                left[name] -= step * speed[name]
+                if left[name] <= 1e-12 * max(1.0, sum(full[name])):
+                    finish[name] = now
+        entries = []
+        for name in names:
+            realloc_s, run_s = full[name]
+            stretch = (finish[name] - start[name]) / (realloc_s + run_s) if realloc_s + run_s else 1
+            entries.append(TimelineEntry(name, start[name], realloc_s * stretch, run_s * stretch))
         return tuple(entries)
 
     def plan(self, layouts: dict[str, Layout]) -> Plan:

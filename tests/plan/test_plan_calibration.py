@@ -3,6 +3,7 @@ pieces of `python -m realrl.apps.profile_plan` that need no run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -78,6 +79,23 @@ def test_the_evaluator_prices_calibrated_mfcs_and_leaves_the_others_to_the_model
     plan = Evaluator(problem).plan(layouts)
     generate_s = mfc_seconds(gen, layouts["actor_gen"], machine)
     assert plan.step_seconds == pytest.approx(generate_s + 0.5 * ONE_RANK_S + 1.0)
+
+
+def test_probes_on_more_workers_than_cores_are_fitted_at_full_speed_and_predicted_as_measured():
+    # 4 workers on 2 cores: the d4 probe ran every worker at half speed, the d1 probe at full.
+    # measured = 2 x compute + 5 s at full speed; the d4 probe took twice its full-speed time.
+    mfc = inference()
+    machine = dataclasses.replace(cluster(), parallel_devices_per_node=2)
+    d1, d4 = layout([0]), layout([0, 1, 2, 3], data=4)
+    assert machine.solo_speed(d1.mesh.ranks) == 1.0 and machine.solo_speed(d4.mesh.ranks) == 0.5
+    d4_measured = 2 * (2 * ONE_RANK_S / 4 + 5)
+    correction = cal.fit_correction(mfc, machine, [cal.ProbeSample(d1, 2 * ONE_RANK_S + 5),
+                                                   cal.ProbeSample(d4, d4_measured)])
+    assert correction.scale == pytest.approx(2.0) and correction.offset_s == pytest.approx(5.0)
+    # the search prices the d4 call alone at half speed again: the probe's own measurement
+    problem = SearchProblem({"ref_inf": mfc}, {}, machine,
+                            calibration=cal.Calibration((("ref_inf", correction),)))
+    assert Evaluator(problem).plan({"ref_inf": d4}).step_seconds == pytest.approx(d4_measured)
 
 
 def test_a_calibration_is_cached_per_workload_and_cluster(tmp_path, monkeypatch):

@@ -1,8 +1,11 @@
-"""The launch-time search's disk cache (`realrl.plan.choose.cached_search`)."""
+"""The launch-time search's disk cache (`realrl.plan.choose.cached_search`) and the cluster it
+prices."""
 
 from __future__ import annotations
 
-from plan_fixtures import cluster, work
+from types import SimpleNamespace
+
+from plan_fixtures import cluster, device, work
 
 from realrl.plan.choose import cached_search
 from realrl.plan.costs import WorkKind
@@ -24,3 +27,21 @@ def test_a_search_is_cached_per_problem_and_budget_and_read_back_priced_again(tm
     assert [p.step_seconds for p in again.plans] == [p.step_seconds for p in first.plans]
     cached_search(problem, time_budget_s=2.0)  # a larger budget searches again
     assert len(list((tmp_path / "plan").glob("search-*.json"))) == 2
+
+
+def test_cpu_workers_that_outnumber_the_cores_share_them(monkeypatch):
+    from realrl.plan import choose
+
+    monkeypatch.setattr(choose, "cpu_device", lambda threads, memory_bytes: device())
+    monkeypatch.setattr(choose, "_cores", lambda: 2)
+
+    def config(workers: int, plan_device: str = "auto"):
+        return SimpleNamespace(n_nodes=1, n_devices_per_node=workers, worker_memory_gb=None,
+                               plan=SimpleNamespace(device=plan_device))
+
+    assert choose.resolve_cluster(config(2), cpu_workers=True).parallel_devices_per_node is None
+    assert choose.resolve_cluster(config(4), cpu_workers=True).parallel_devices_per_node == 2
+    assert choose.resolve_cluster(config(3), cpu_workers=True).parallel_devices_per_node == 2
+    # GPUs are devices of their own, however few cores the launcher has
+    gpus = choose.resolve_cluster(config(8, "h100"), cpu_workers=False)
+    assert gpus.parallel_devices_per_node is None

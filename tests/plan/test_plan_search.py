@@ -3,13 +3,16 @@ the memory limit (model and device: `plan_fixtures`)."""
 
 from __future__ import annotations
 
-import pytest
-from plan_fixtures import cluster, work
+import dataclasses
 
+import pytest
+from plan_fixtures import cluster, layout, work
+
+from realrl.plan.calibration import Calibration, MFCCorrection
 from realrl.plan.costs import WorkKind
 from realrl.plan.memory import peak_bytes_per_device
 from realrl.plan.report import describe
-from realrl.plan.search import SearchProblem, search
+from realrl.plan.search import Evaluator, SearchProblem, search
 
 
 def two_trainers(memory_bytes: float = 1e12) -> SearchProblem:
@@ -104,3 +107,49 @@ def test_the_report_names_what_the_runner_up_changed_and_what_it_cost():
     why = text.split("why #2 lost: ", 1)[1]
     assert why.startswith("the runner-up is 94.312 s (100.00%) slower:")
     assert "instead of d1t1p1@" in why and "ends 94.312 -> 188.624 s" in why
+
+
+def rule_calls(seconds: dict[str, float], dependencies: dict[str, tuple[str, ...]],
+               parallel: int | None) -> SearchProblem:
+    """Rule-reward calls (no model, no communication) that take exactly `seconds` at full
+    speed (a calibration of scale 0 and that offset), on 4 devices of one node of which
+    `parallel` run at full speed at once."""
+    works = {name: work(WorkKind.rule, name=name, role=name, model=None) for name in seconds}
+    corrections = tuple((name, MFCCorrection(0.0, s)) for name, s in seconds.items())
+    machine = dataclasses.replace(cluster(), parallel_devices_per_node=parallel)
+    return SearchProblem(works, dependencies, machine, calibration=Calibration(corrections))
+
+
+def test_calls_side_by_side_on_shared_cores_run_at_their_share_of_them():
+    # 4 workers on 2 cores. a (1 s, workers 0-1) and b (3 s, workers 2-3) start together: 4
+    # busy workers, each at half speed, so a ends at 2 s with b a third done; b then runs alone
+    # on 2 workers at full speed and ends at 2 + 2 = 4 s. c needs both and spans the 4
+    # workers: half speed, 2 s, so the step ends at 6 s (with a core per worker: 3 + 1 = 4 s).
+    seconds = {"a": 1.0, "b": 3.0, "c": 1.0}
+    layouts = {"a": layout([0, 1], data=2), "b": layout([2, 3], data=2),
+               "c": layout([0, 1, 2, 3], data=4)}
+    dependencies = {"c": ("a", "b")}
+    shared = Evaluator(rule_calls(seconds, dependencies, parallel=2)).plan(layouts)
+    a, b, c = shared.timeline
+    assert (a.start_s, a.finish_s) == (0.0, pytest.approx(2.0))
+    assert (b.start_s, b.finish_s) == (0.0, pytest.approx(4.0))
+    assert (c.start_s, c.finish_s) == (pytest.approx(4.0), pytest.approx(6.0))
+    assert shared.step_seconds == pytest.approx(6.0)
+    own_cores = Evaluator(rule_calls(seconds, dependencies, parallel=None)).plan(layouts)
+    assert own_cores.step_seconds == pytest.approx(4.0)
+
+
+def test_the_event_simulation_without_sharing_is_the_list_schedule():
+    # parallel = the node's 4 devices: every call at full speed, so the event simulation must
+    # give the graph-order schedule's starts and ends exactly.
+    seconds = {"a": 1.0, "b": 3.0, "c": 0.5, "d": 2.0}
+    layouts = {"a": layout([0, 1], data=2), "b": layout([2]), "c": layout([1, 2], data=2),
+               "d": layout([0])}
+    dependencies = {"c": ("a",), "d": ("a",)}
+    simulated = Evaluator(rule_calls(seconds, dependencies, parallel=4)).plan(layouts)
+    scheduled = Evaluator(rule_calls(seconds, dependencies, parallel=None)).plan(layouts)
+    assert [(e.start_s, e.finish_s) for e in simulated.timeline] == [
+        (pytest.approx(e.start_s), pytest.approx(e.finish_s)) for e in scheduled.timeline]
+    # c waits for a and for worker 2 (b): starts at 3 s; d for a only: 1 s to 3 s.
+    assert [(e.start_s, e.finish_s) for e in scheduled.timeline] == [
+        (0.0, 1.0), (0.0, 3.0), (3.0, 3.5), (1.0, 3.0)]
