@@ -239,11 +239,16 @@ class AsyncRollout:
         return result
 
     async def publish_weights(self, result: StepResult) -> None:
-        """After a train step: send the new weights to the rollout layouts (they take them
-        between two requests), then admit the requests the new version allows."""
+        """After a train step: start sending the new weights to the rollout layouts (they take
+        them between two requests), then admit the requests the new version allows.
+
+        `refresh` returns once it holds the rollout ranks' locks, so a request admitted now
+        runs after the transfer, on the new weights, and its tokens' versions (from
+        `Master.layout_version`, set there) say so. The trainer does not wait for the transfer
+        itself: the senders' locks are free once their broadcast has started, a failed
+        transfer is raised by the next refresh, and checkpoints drain first (`broadcast`)."""
         started = time.perf_counter()
         await self.master.refresh(self.rollout_mfcs, result)
-        await self.master.drain()
         result.stats["async/weight_update_wait_s"] = time.perf_counter() - started
         async with self.changed:
             self.version += 1
