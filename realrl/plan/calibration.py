@@ -14,10 +14,10 @@ where ``compute`` is `realrl.plan.costs.compute_seconds` and ``communication`` t
 tensor-parallel, pipeline, gradient and transfer terms of the same layout, and ``measured``
 is at full speed: where a probe's call ran on more workers than the node has cores
 (`Cluster.parallel_devices_per_node`), its seconds are scaled by its share of them
-(`Cluster.solo_speed`), which the search applies again to each call by what runs beside it. The tp = 1 probes
-give (scale, offset) from two points (one point: scale 1); each probe with tensor parallelism
-adds an offset of its own for that tensor size (its collectives cost the runtime more than
-the ring formula says), keeping the tp = 1 scale. A layout whose tensor size no probe ran
+(`Cluster.solo_speed`), which the search applies again to each call by what runs beside it.
+The tp = 1 probes give (scale, offset) from two points (one point: scale 1); each probe with
+tensor parallelism adds an offset of its own for that tensor size (its collectives cost the
+runtime more than the ring formula says), keeping the tp = 1 scale. A layout whose tensor size no probe ran
 gets the tp = 1 fit.
 
 The fit is cached per machine, thread count and workload (`calibration_path`), and

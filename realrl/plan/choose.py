@@ -80,10 +80,9 @@ def resolve_cluster(config: Any, cpu_workers: bool) -> Cluster:
     """The run's nodes and device; CPU workers that outnumber this machine's cores
     (`allow_oversubscribe=true`) share them (`Cluster.parallel_devices_per_node`)."""
     device = resolve_device(config, cpu_workers)
-    parallel = None
-    if not device.is_gpu and _cores() // _threads_per_worker(config) < config.n_devices_per_node:
-        parallel = max(1, _cores() // _threads_per_worker(config))
-    return Cluster(config.n_nodes, config.n_devices_per_node, device, parallel)
+    slots = _cores() // _threads_per_worker(config)  # workers at full speed at once
+    shared = not device.is_gpu and slots < config.n_devices_per_node
+    return Cluster(config.n_nodes, config.n_devices_per_node, device, slots if shared else None)
 
 
 def launch_problem(config: Any, spec: ExperimentSpec, graph: DataflowGraph,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import Counter
+from collections.abc import Iterable
 
 from realrl.api.allocation import DeviceMesh, ParallelStrategy, format_ranks
 from realrl.plan.devices import DeviceSpec, Link
@@ -133,26 +135,26 @@ class Cluster:
     def size(self) -> int:
         return self.n_nodes * self.n_devices_per_node
 
-    def speed(self, busy_per_node: dict[int, int], ranks: tuple[int, ...]) -> float:
+    def devices_per_node(self, ranks: Iterable[int]) -> Counter[int]:
+        """How many of `ranks` each node holds."""
+        return Counter(rank // self.n_devices_per_node for rank in ranks)
+
+    def speed(self, busy_per_node: Counter[int], ranks: tuple[int, ...]) -> float:
         """The fraction of full speed a call on `ranks` runs at while `busy_per_node[node]` of
         each node's devices (its own among them) are running calls."""
         slots = self.parallel_devices_per_node
         if slots is None:
             return 1.0
-        nodes = {rank // self.n_devices_per_node for rank in ranks}
-        return min(min(1.0, slots / max(busy_per_node.get(node, 0), 1)) for node in nodes)
+        return min(min(1.0, slots / max(busy_per_node[node], 1))
+                   for node in self.devices_per_node(ranks))
 
     def solo_speed(self, ranks: tuple[int, ...]) -> float:
         """`speed` of a call on `ranks` with nothing else running (a calibration probe's)."""
-        busy: dict[int, int] = {}
-        for rank in ranks:
-            node = rank // self.n_devices_per_node
-            busy[node] = busy.get(node, 0) + 1
-        return self.speed(busy, ranks)
+        return self.speed(self.devices_per_node(ranks), ranks)
 
     def link_within(self, ranks: tuple[int, ...]) -> Link:
         """The slowest link between `ranks`: the node interconnect once they span nodes."""
-        nodes = {rank // self.n_devices_per_node for rank in ranks}
+        nodes = self.devices_per_node(ranks)
         return self.device.intra_node if len(nodes) <= 1 else self.device.inter_node
 
 

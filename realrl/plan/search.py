@@ -141,11 +141,8 @@ class Evaluator:
                 if name not in start and before[name] <= finish.keys():
                     start[name] = now
             running = [name for name in start if name not in finish]
-            busy: dict[int, int] = {}
-            for name in running:
-                for rank in layouts[name].mesh.ranks:
-                    node = rank // cluster.n_devices_per_node
-                    busy[node] = busy.get(node, 0) + 1
+            busy = cluster.devices_per_node(rank for name in running
+                                            for rank in layouts[name].mesh.ranks)
             speed = {name: cluster.speed(busy, layouts[name].mesh.ranks) for name in running}
             step = min(left[name] / speed[name] for name in running)
             now += step
