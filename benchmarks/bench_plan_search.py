@@ -9,12 +9,15 @@ prediction is `realrl.plan`'s for the same allocation, on the same machine profi
 launcher uses (`$REALRL_CACHE/plan/cpu-*.json`), calibrated first (unless `--no-profile`) by
 `python -m realrl.apps.profile_plan` with the same keys: its probe runs (`*:d1@0`, `dN`,
 `d(N/2)t2`) fit each MFC's costs, and the table marks the allocations that are probes (their
-runs here are new runs, but their layouts are what the fit saw). Responses are forced to
+runs here are new runs, but their layouts are what the fit saw). With `--repeats N` every
+allocation (and every probe) runs N times, in rounds (each plan once, then again, so that the
+machine's drift over minutes spreads over all of them), and the measured step is the median of
+the runs' medians. Responses are forced to
 `gen.max_new_tokens` tokens (`gen.min_new_tokens` equal to it), and each worker keeps its own
 core (`share_idle_cores=false`: a call alone on the machine does not borrow the idle
 workers' threads), as the cost model assumes.
 
-    .venv/bin/python benchmarks/bench_plan_search.py --experiments ppo,grpo --steps 8
+    .venv/bin/python benchmarks/bench_plan_search.py --experiments ppo,grpo --steps 8 --repeats 3
 
 Prints one markdown table per experiment and writes `results.json` in `--work-dir`.
 """
@@ -75,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "PLANS of the experiment and worker count (2 or 4)")
     parser.add_argument("--overrides", default="", help="more key=value overrides, space-"
                         "separated (e.g. allow_oversubscribe=true for --workers 4 on 2 cores)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per plan and per probe, in rounds; measured: the median")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--no-profile", action="store_true",
                         help="predict with the cost model alone (no calibration runs)")
@@ -88,7 +93,7 @@ def calibrate(args: argparse.Namespace, experiment: str) -> list[str]:
     """Run `realrl.apps.profile_plan` for the experiment's keys; the probes' allocations."""
     options = profile_plan.parse_arguments(
         ["ppo-math", *overrides(args, experiment, "auto", "profile"), "--steps", str(args.steps),
-         "--work-dir", str(args.work_dir / "profile" / experiment)])
+         "--repeats", str(args.repeats), "--work-dir", str(args.work_dir / "profile" / experiment)])
     _, probes = profile_plan.profile(options, profile_plan.resolve(options), sys.stdout)
     return probes
 
@@ -105,20 +110,23 @@ def overrides(args: argparse.Namespace, experiment: str, plan: str, trial: str) 
     ]
 
 
-def unshared(problem: SearchProblem, probe_dir: Path) -> SearchProblem | None:
+def unshared(args: argparse.Namespace, problem: SearchProblem,
+             probe_dir: Path) -> SearchProblem | None:
     """Where the workers share cores: the same problem as if each had its own, calibrated
     from the same probe runs (in `probe_dir`) without dividing out their sharing, as the model
     did before `Cluster.parallel_devices_per_node`; None otherwise or without probe runs."""
     probes = profile_plan.probe_allocations(problem)
-    runs = [probe_dir / "profile-plan" / f"probe{index}" / "metrics.jsonl"
-            for index in range(len(probes))]
-    if problem.cluster.parallel_devices_per_node is None or not all(p.is_file() for p in runs):
+    runs = [[probe_dir / "profile-plan" / profile_plan.probe_trial(index, repeat) / "metrics.jsonl"
+             for repeat in range(args.repeats)] for index in range(len(probes))]
+    if problem.cluster.parallel_devices_per_node is None or not all(
+            path.is_file() for paths in runs for path in paths):
         return None
     cluster = dataclasses.replace(problem.cluster, parallel_devices_per_node=None)
     samples: dict[str, list[ProbeSample]] = {name: [] for name in problem.works}
-    for allocation_mode, metrics in zip(probes, runs, strict=True):
+    for allocation_mode, paths in zip(probes, runs, strict=True):
         layouts = profile_plan.probe_layouts(problem, allocation_mode)
-        seconds, _ = profile_plan.measured_mfc_seconds(metrics, list(problem.works))
+        seconds, _ = profile_plan.median_over_runs(
+            [profile_plan.measured_mfc_seconds(path, list(problem.works)) for path in paths])
         for name, value in seconds.items():
             samples[name].append(ProbeSample(layouts[name], value))
     return dataclasses.replace(problem, cluster=cluster,
@@ -139,7 +147,7 @@ def predicted(args: argparse.Namespace, experiment: str,
                for name, allocation in launch.allocations.items()}
     layouts = {name: layouts[name] for name in problem.works}
     plan_result = Evaluator(problem).plan(layouts)
-    without_sharing = unshared(problem, args.work_dir / "profile" / experiment)
+    without_sharing = unshared(args, problem, args.work_dir / "profile" / experiment)
     unshared_s = Evaluator(without_sharing).plan(layouts).step_seconds if without_sharing else None
     resolved = ",".join(layout.text(name) for name, layout in layouts.items())
     parse_allocation_mode(resolved, list(layouts), 1, args.workers)  # round-trips
@@ -170,26 +178,36 @@ def main(argv: list[str] | None = None) -> None:
                              "give --plans")
         plans = args.plans.split(";") if args.plans else PLANS[experiment, args.workers]
         probes = [] if args.no_profile else calibrate(args, experiment)
-        for index, plan in enumerate(plans):
+        rows = []
+        for plan in plans:
             prediction, unshared_s, resolved = predicted(args, experiment, plan)
-            step = measured(args, experiment, plan, f"{experiment}-{index}")
-            load = os.getloadavg()[0]
-            results.append({"experiment": experiment, "plan": plan, "resolved": resolved,
-                            "predicted_s": prediction, "measured_s": step, "load": load,
-                            "probe": plan in probes, "predicted_unshared_s": unshared_s})
-            logger.info("%s", results[-1])
+            rows.append({"experiment": experiment, "plan": plan, "resolved": resolved,
+                         "predicted_s": prediction, "runs_s": [], "loads": [],
+                         "probe": plan in probes, "predicted_unshared_s": unshared_s})
+        for repeat in range(args.repeats):  # in rounds, as the probes
+            for index, row in enumerate(rows):
+                trial = f"{experiment}-{index}" + (f"-run{repeat + 1}" if repeat else "")
+                row["runs_s"].append(measured(args, experiment, row["plan"], trial))
+                row["loads"].append(os.getloadavg()[0])
+                row["measured_s"] = statistics.median(row["runs_s"])
+                row["load"] = max(row["loads"])
+                logger.info("%s", row)
+        results += rows
     (args.work_dir / "results.json").write_text(json.dumps(results, indent=1))
     for experiment in args.experiments.split(","):
         rows = [r for r in results if r["experiment"] == experiment]
         shared = any(r.get("predicted_unshared_s") is not None for r in rows)
         extra = " without core sharing: predicted s | error |" if shared else ""
-        lines = [f"{experiment}:", "| allocation_mode | resolved | predicted s | measured s | "
-                 "error | load |" + extra, "|" + "---|" * (8 if shared else 6)]
+        runs = " (median of runs)" if any(len(r.get("runs_s", [])) > 1 for r in rows) else ""
+        lines = [f"{experiment}:", f"| allocation_mode | resolved | predicted s | measured s{runs} "
+                 "| error | load |" + extra, "|" + "---|" * (8 if shared else 6)]
         for r in rows:
             error = r["predicted_s"] / r["measured_s"] - 1
             probe = " (probe)" if r.get("probe") else ""
+            each = ", ".join(f"{s:.3f}" for s in r.get("runs_s", [])) if runs else ""
             line = (f"| `{r['plan']}`{probe} | `{r['resolved']}` | {r['predicted_s']:.3f} | "
-                    f"{r['measured_s']:.3f} | {error:+.0%} | {r['load']:.1f} |")
+                    f"{r['measured_s']:.3f}{f' ({each})' if each else ''} | {error:+.0%} | "
+                    f"{r['load']:.1f} |")
             if shared:
                 alone = r["predicted_unshared_s"]
                 line += f" {alone:.3f} | {alone / r['measured_s'] - 1:+.0%} |"

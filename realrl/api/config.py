@@ -269,7 +269,7 @@ class RolloutConfig:
     (`realrl.workers.async_rollout`).
 
     With `mode=async` the master keeps the generation workers busy: it sends the rollout MFCs
-    (every MFC but the train ones) one small request at a time and trains each step on finished
+    (every MFC but the train ones) one request at a time and trains each step on finished
     groups. `max_head_offpolicyness` is AReaL's admission rule (Fu et al. 2025, sec. 5.1): with
     `v` train steps done and `B = dataset.batch_size` prompt groups per step, a request starts
     only while at most `(eta + v + 1) * B` groups have been started in all (running, finished or
@@ -290,19 +290,20 @@ class RolloutConfig:
         "rollout.mode=async: the staleness bound eta. A request may start only while at most "
         "(eta + v + 1) * dataset.batch_size prompt groups have been started, v being the train "
         "steps done, so a group is trained at most eta steps after the weights that generated "
-        "it. 0 is synchronous training (the same batches and, with "
-        "`rollout.groups_per_request=dataset.batch_size`, the same updates bit for bit).",
+        "it. 0 is synchronous training (the same batches and, with one request a batch, the "
+        "default `rollout.groups_per_request`, the same updates bit for bit).",
     )
     groups_per_request: int = help_field(
         0,
         "rollout.mode=async: prompt groups (prompts, each with its group_size responses) per "
-        "rollout request; 0: a quarter of dataset.batch_size (the smallest divisor of it at "
-        "least that large and at least the rollout MFCs' data-parallel size). Small requests "
-        "hand new weights to generation sooner (it takes them between requests); large ones "
-        "cost less per token: on 2 CPU workers each request costs ~0.1 s besides its tokens, "
-        "which made one group per request 4x slower per batch than four groups "
-        "(benchmarks/reward_time.md, 'Asynchronous rollouts'). Must divide dataset.batch_size "
-        "and be at least the rollout MFCs' data-parallel size.",
+        "rollout request; 0: dataset.batch_size, one request a batch. realrl's engine batches "
+        "within a request, not across requests, so a batch in smaller requests costs more "
+        "decode loops and round trips: on CPU four quarter-batch requests took up to twice "
+        "one whole one, one group per request 4x (benchmarks/reward_time.md, 'Asynchronous "
+        "rollouts'). Smaller ones let finished_first assembly skip slow groups and rewards "
+        "start sooner; new weights reach generation between decode chunks either way "
+        "(decode_steps_per_chunk). Must divide dataset.batch_size and be at least the rollout "
+        "MFCs' data-parallel size.",
     )
 
     decode_steps_per_chunk: int = help_field(
@@ -333,13 +334,9 @@ class RolloutConfig:
         "drawn and not trained, which a resumed run generates first.",
     )
 
-    def request_groups(self, batch_size: int, data_parallel: int) -> int:
+    def request_groups(self, batch_size: int) -> int:
         """`groups_per_request`, with 0 resolved (see its help)."""
-        if self.groups_per_request:
-            return self.groups_per_request
-        smallest = max(data_parallel, -(-batch_size // 4))
-        divisors = [size for size in range(smallest, batch_size + 1) if batch_size % size == 0]
-        return divisors[0] if divisors else batch_size
+        return self.groups_per_request or batch_size
 
     @property
     def is_async(self) -> bool:
@@ -359,7 +356,7 @@ class RolloutConfig:
         if self.max_head_offpolicyness < 0:
             problems.append(f"`{prefix}.max_head_offpolicyness={self.max_head_offpolicyness}` "
                             "must be >= 0 (0: synchronous); try 1.")
-        groups = self.request_groups(batch_size, rollout_data_parallel)
+        groups = self.request_groups(batch_size)
         if groups < 1 or batch_size % groups:
             problems.append(f"`{prefix}.groups_per_request={groups}` must divide "
                             f"`dataset.batch_size={batch_size}`; try 1 or {batch_size}.")

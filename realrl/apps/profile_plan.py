@@ -1,13 +1,14 @@
 """Calibrate `allocation_mode=search` on this machine: short real runs under probe allocations.
 
-    python -m realrl.apps.profile_plan ppo-math [key=value ...] [--steps 6]
+    python -m realrl.apps.profile_plan ppo-math [key=value ...] [--steps 6] [--repeats 1]
 
 Takes the same experiment, overrides, ``--config`` and ``--import`` as
 `realrl.apps.quickstart`, and runs the experiment through that CLI for ``--steps`` steps
 under each probe allocation: every MFC on worker 0 (``*:d1@0``), every MFC data-parallel
 over all workers (``dN``), and every MFC ``d(N/2)t2`` when all of them can be split in two.
 Each MFC's median seconds over the steps after the first (`timing/<mfc>`, with the forward
-a train MFC sends ahead) are fitted per MFC (`realrl.plan.calibration`) and cached, keyed by
+a train MFC sends ahead; with ``--repeats``, the median over that many runs of each probe,
+run round by round) are fitted per MFC (`realrl.plan.calibration`) and cached, keyed by
 the workload, the cluster and this machine's CPU profile; `allocation_mode=search` with the
 same keys then prices plans with the fit. Prints, per probe and MFC, the prediction before and
 after the fit against the measurement. Runs go to a temporary directory (``--work-dir`` keeps
@@ -58,6 +59,10 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
                         help="steps per probe run; the first (warm-up) is not measured")
     parser.add_argument("--work-dir", default=None,
                         help="keep the probe runs here (default: a temporary directory)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per probe, in rounds (every probe once, then again); each "
+                        "MFC's seconds are the median of the runs' medians: on CPU two runs of "
+                        "the same allocation differ by 5-15%% in step time")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per probe run")
     return parser.parse_intermixed_args(argv)
 
@@ -103,14 +108,29 @@ def measured_mfc_seconds(metrics_path: Path, mfc_names: list[str]) -> tuple[dict
     return seconds, statistics.median(record["timing/step_s"] for record in measured)
 
 
+def median_over_runs(runs: list[tuple[dict[str, float], float]]) -> tuple[dict[str, float],
+                                                                            float]:
+    """`measured_mfc_seconds` of several runs of one allocation: each MFC's median over the
+    runs that timed it, and the median step."""
+    names = {name for seconds, _ in runs for name in seconds}
+    seconds = {name: statistics.median(run[name] for run, _ in runs if name in run)
+               for name in names}
+    return seconds, statistics.median(step for _, step in runs)
+
+
+def probe_trial(index: int, repeat: int) -> str:
+    """The trial name of probe `index`'s run number `repeat` (from 0)."""
+    return f"probe{index}" if repeat == 0 else f"probe{index}-run{repeat + 1}"
+
+
 def _user_overrides(overrides: list[str]) -> list[str]:
     return [item for item in overrides if item.split("=", 1)[0].lstrip("+~") not in PROBE_KEYS]
 
 
-def run_probe(args: argparse.Namespace, allocation_mode: str, index: int,
+def run_probe(args: argparse.Namespace, allocation_mode: str, index: int, repeat: int,
               work_dir: Path) -> Path:
     """One probe run through the CLI; returns its metrics.jsonl."""
-    trial = f"probe{index}"
+    trial = probe_trial(index, repeat)
     command = [sys.executable, "-m", "realrl.apps.quickstart", args.experiment,
                *[f"--config={path}" for path in args.config],
                *[f"--import={module}" for module in args.imports],
@@ -120,8 +140,8 @@ def run_probe(args: argparse.Namespace, allocation_mode: str, index: int,
                "recover_mode=disabled", "wandb.mode=disabled", "tensorboard=false",
                "save_freq_steps=0"]
     log_path = work_dir / f"{trial}.log"
-    logger.info("probe %d: allocation_mode=%s (%d steps; log %s)", index, allocation_mode,
-                args.steps, log_path)
+    logger.info("probe %d, run %d of %d: allocation_mode=%s (%d steps; log %s)", index,
+                repeat + 1, args.repeats, allocation_mode, args.steps, log_path)
     with open(log_path, "w") as log:
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
                                 timeout=args.timeout_s)
@@ -145,22 +165,28 @@ def profile(args: argparse.Namespace, config: Any, out: TextIO) -> tuple[Path, l
     work_dir.mkdir(parents=True, exist_ok=True)
     samples: dict[str, list[ProbeSample]] = {name: [] for name in problem.works}
     steps: list[tuple[str, dict[str, Layout], dict[str, float], float]] = []
+    runs: list[list[tuple[dict[str, float], float]]] = [[] for _ in probes]
     try:
-        for index, allocation_mode in enumerate(probes):
-            layouts = probe_layouts(problem, allocation_mode)
-            metrics = run_probe(args, allocation_mode, index, work_dir)
-            measured, step = measured_mfc_seconds(metrics, list(problem.works))
-            for name, seconds in measured.items():
-                samples[name].append(ProbeSample(layouts[name], seconds))
-            steps.append((allocation_mode, layouts, measured, step))
+        for repeat in range(args.repeats):  # in rounds: a slow minute spreads over the probes
+            for index, allocation_mode in enumerate(probes):
+                metrics = run_probe(args, allocation_mode, index, repeat, work_dir)
+                runs[index].append(measured_mfc_seconds(metrics, list(problem.works)))
     finally:
         if args.work_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
+    for allocation_mode, probe_runs in zip(probes, runs, strict=True):
+        layouts = probe_layouts(problem, allocation_mode)
+        measured, step = median_over_runs(probe_runs)
+        for name, value in measured.items():
+            samples[name].append(ProbeSample(layouts[name], value))
+        steps.append((allocation_mode, layouts, measured, step))
     calibration = fit(problem.works, problem.cluster, samples)
     path = save_calibration(problem.works, problem.cluster, calibration)
     calibrated = Evaluator(dataclasses.replace(problem, calibration=calibration))
     uncalibrated = Evaluator(problem)
-    lines = [f"device: {problem.cluster.device.name}, {problem.cluster.size} worker(s)", "",
+    repeats = f", median of {args.repeats} runs per probe" if args.repeats > 1 else ""
+    lines = [f"device: {problem.cluster.device.name}, {problem.cluster.size} worker(s){repeats}",
+             "",
              "| probe | MFC | layout | model s | measured s | calibrated s |",
              "|---|---|---|---|---|---|"]
     for allocation_mode, layouts, measured, step in steps:
@@ -200,6 +226,8 @@ def resolve(args: argparse.Namespace) -> Any:
     if args.steps < 2:
         raise ConfigError(["--steps must be at least 2: the first step is a warm-up and is not "
                            "measured"])
+    if args.repeats < 1:
+        raise ConfigError([f"--repeats {args.repeats}: give at least 1 run per probe"])
     return config
 
 

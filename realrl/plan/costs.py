@@ -111,6 +111,9 @@ class MFCWork:
     transfer_bytes_per_token: int = 24  # master <-> worker: ids, masks, log-probs
     rule_seconds_per_sequence: float = 2e-4  # rule rewards: parse and verify one response
     microbatch_choices: tuple[int, ...] | None = None  # None: the search's choices
+    # train: the MFCs its first forward reads from when the master sends that forward ahead of
+    # the call (`MFCDef.forward_keys`); (): it runs within the call
+    forward_ahead_after: tuple[str, ...] = ()
 
     @property
     def sequence_tokens(self) -> int:

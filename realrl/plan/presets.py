@@ -3,7 +3,8 @@ by name and the PPO and GRPO graphs of `realrl.experiments.ppo_math`, without a 
 
 PPO (ReaLHF's setting): actor_gen -> {rew_inf (a reward model the critic's size), ref_inf,
 critic_inf} -> {actor_train, critic_train}. GRPO: actor_gen -> {reward (rule), ref_inf} ->
-actor_train.
+actor_train. With one PPO mini-batch, actor_train's forward runs ahead, beside the
+inference calls.
 """
 
 from __future__ import annotations
@@ -67,13 +68,17 @@ def rl_graph(workload: RLWorkload) -> tuple[dict[str, MFCWork], dict[str, tuple[
     works["ref_inf"] = work("ref_inf", "ref", WorkKind.inference, actor)
     if workload.algorithm == "ppo":
         works["critic_inf"] = work("critic_inf", "critic", WorkKind.inference, critic, **trained)
-    works["actor_train"] = work("actor_train", "actor", WorkKind.train_step, actor, **optimizer)
+    # With one optimizer step a call, ppo-math sends actor_train's forward ahead
+    # (`ppo.reuse_forward`), beside ref_inf (and critic_inf).
+    ahead: tuple[str, ...] = ("actor_gen",) if workload.ppo_minibatches == 1 else ()
+    works["actor_train"] = work("actor_train", "actor", WorkKind.train_step, actor,
+                                forward_ahead_after=ahead, **optimizer)
     if workload.algorithm == "ppo":
         works["critic_train"] = work("critic_train", "critic", WorkKind.train_step, critic,
                                      **optimizer)
     rollout = tuple(name for name in works if name not in ("actor_gen", "actor_train",
                                                            "critic_train"))
-    dependencies = {name: ("actor_gen",) for name in rollout}
+    dependencies: dict[str, tuple[str, ...]] = {name: ("actor_gen",) for name in rollout}
     dependencies["actor_train"] = rollout
     if "critic_train" in works:
         dependencies["critic_train"] = rollout

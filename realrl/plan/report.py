@@ -19,7 +19,7 @@ def _memory_text(num_bytes: float) -> str:
 
 def timeline_table(problem: SearchProblem, plan: Plan) -> str:
     """One line per MFC: layout, ranks, start, weight move, run, finish, its own memory."""
-    header = (f"  {'MFC':<14} {'layout':<12} {'ranks':<8} {'start s':>8} {'realloc s':>9} "
+    header = (f"  {'MFC':<19} {'layout':<12} {'ranks':<8} {'start s':>8} {'realloc s':>9} "
               f"{'run s':>8} {'end s':>8}  memory/device")
     lines = [header]
     trained = {(work.role, plan.layouts[name].mesh, plan.layouts[name].strategy)
@@ -30,8 +30,9 @@ def timeline_table(problem: SearchProblem, plan: Plan) -> str:
         memory = (held_bytes(work, layout, key in trained, problem.shard_optimizer)
                   + transient_bytes(work, layout))
         micro = f" mb{layout.num_microbatches}" if layout.num_microbatches > 1 else ""
+        label = f"{entry.name}/{entry.part}" if entry.part else entry.name
         lines.append(
-            f"  {entry.name:<14} {str(layout.strategy) + micro:<12} "
+            f"  {label:<19} {str(layout.strategy) + micro:<12} "
             f"{format_ranks(layout.mesh.ranks):<8} {entry.start_s:8.3f} {entry.realloc_s:9.3f} "
             f"{entry.run_s:8.3f} {entry.finish_s:8.3f}  {_memory_text(memory)}")
     return "\n".join(lines)
@@ -47,18 +48,19 @@ def why_runner_up_lost(best: Plan, runner_up: Plan) -> str:
     them finishes later on the runner-up's critical path."""
     gap = runner_up.step_seconds - best.step_seconds
     parts = []
-    best_entries = {entry.name: entry for entry in best.timeline}
+    best_entries = {(entry.name, entry.part): entry for entry in best.timeline}
     for entry in runner_up.timeline:
         ours, theirs = best.layouts[entry.name], runner_up.layouts[entry.name]
-        if ours == theirs and abs(entry.finish_s - best_entries[entry.name].finish_s) < 1e-12:
+        mine = best_entries[entry.name, entry.part]
+        if ours == theirs and abs(entry.finish_s - mine.finish_s) < 1e-12:
             continue
-        mine = best_entries[entry.name]
         if ours != theirs:
             change = f"{_layout_text(theirs)} instead of {_layout_text(ours)}"
         else:
             change = "same layout"
+        label = f"{entry.name}/{entry.part}" if entry.part else entry.name
         parts.append(
-            f"{entry.name}: {change}: run {mine.run_s:.3f} -> {entry.run_s:.3f} s, realloc "
+            f"{label}: {change}: run {mine.run_s:.3f} -> {entry.run_s:.3f} s, realloc "
             f"{mine.realloc_s:.3f} -> {entry.realloc_s:.3f} s, ends {mine.finish_s:.3f} -> "
             f"{entry.finish_s:.3f} s")
     share = gap / best.step_seconds if best.step_seconds else 0.0

@@ -7,7 +7,11 @@ the MFCs it reads from have finished and every device of its mesh is free (a dev
 call at a time; MFCs on disjoint meshes overlap), first moves its role's newest weights onto
 its layout when the role is trained elsewhere (`realrl.plan.costs.realloc_seconds`), then runs
 for `mfc_seconds` (corrected by the problem's `calibration`, fitted to real runs, when it has
-one). A plan whose peak memory on any device exceeds the limit is never returned. Where a
+one). A train call whose first forward the master sends ahead (`MFCWork.forward_ahead_after`,
+`MFCDef.forward_keys`) is two calls: that forward, a third of the call besides its gradient
+reduce (a backward costs two forwards), once the calls it reads from have finished and before
+the other calls they make ready (the master wakes the forwards first), and the rest after all
+its inputs. A plan whose peak memory on any device exceeds the limit is never returned. Where a
 node's devices share its cores (CPU workers that outnumber them:
 `Cluster.parallel_devices_per_node`), calls side by side slow each other: the step is then
 simulated event by event, each running call at its share of the cores.
@@ -28,7 +32,7 @@ import time
 
 from realrl.plan.calibration import Calibration, corrected_seconds
 from realrl.plan.candidates import candidate_layouts
-from realrl.plan.costs import Cluster, Layout, MFCWork, WorkKind, realloc_seconds
+from realrl.plan.costs import Cluster, Layout, MFCWork, WorkKind, gradient_seconds, realloc_seconds
 from realrl.plan.memory import peak_bytes_array, peak_bytes_per_device
 
 
@@ -54,6 +58,7 @@ class TimelineEntry:
     start_s: float
     realloc_s: float  # weights moved onto this layout before the call
     run_s: float  # the call itself (compute and communication)
+    part: str = ""  # "forward": a train call's forward sent ahead; "": the (rest of the) call
 
     @property
     def finish_s(self) -> float:
@@ -69,6 +74,21 @@ class Plan:
 
     def allocation_mode(self) -> str:
         return ",".join(layout.text(name) for name, layout in self.layouts.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One call of the timeline: an MFC, or the forward a train MFC sends ahead (`part`)."""
+
+    name: str
+    part: str
+    after: tuple[str, ...]  # the calls (keys) whose outputs it reads
+    realloc_s: float
+    run_s: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.part}" if self.part else self.name
 
 
 class Evaluator:
@@ -98,19 +118,44 @@ class Evaluator:
         return realloc_seconds(work.model, work.dtype, layouts[trainer], layouts[name],
                                self.problem.cluster)
 
+    def forward_seconds(self, name: str, layout: Layout) -> float:
+        """The forward a train call sends ahead: one of its ``3 x epochs`` passes (a backward
+        costs two forwards) of what it costs besides the gradient reduce, which follows the
+        backward."""
+        work = self.problem.works[name]
+        rest = self.seconds(name, layout) - gradient_seconds(work, layout, self.problem.cluster)
+        return rest / (3 * work.epochs)
+
+    def calls(self, layouts: dict[str, Layout]) -> list[_Call]:
+        """The step's calls in the order the master hands out ranks: the MFCs in graph order,
+        each train call's forward sent ahead right after the last call it reads from."""
+        works = self.problem.works
+        calls: list[_Call] = []
+        for name, work in works.items():
+            after = tuple(self.problem.dependencies.get(name, ()))
+            run_s = self.seconds(name, layouts[name])
+            if work.forward_ahead_after:
+                forward = _Call(name, "forward", work.forward_ahead_after, 0.0,
+                                self.forward_seconds(name, layouts[name]))
+                position = 1 + max(index for index, call in enumerate(calls)
+                                   if call.key in work.forward_ahead_after)
+                calls.insert(position, forward)
+                after, run_s = after + (forward.key,), run_s - forward.run_s
+            calls.append(_Call(name, "", after, self.realloc(name, layouts), run_s))
+        return calls
+
     def timeline(self, layouts: dict[str, Layout]) -> tuple[TimelineEntry, ...]:
         if self.problem.cluster.parallel_devices_per_node is not None:
             return self._shared_timeline(layouts)
         finished: dict[str, float] = {}
         device_free: dict[int, float] = {}
         entries = []
-        for name in self.problem.works:
-            ranks = layouts[name].mesh.ranks
-            start = max([finished[d] for d in self.problem.dependencies.get(name, ())]
+        for call in self.calls(layouts):
+            ranks = layouts[call.name].mesh.ranks
+            start = max([finished[key] for key in call.after]
                         + [device_free.get(rank, 0.0) for rank in ranks] + [0.0])
-            entry = TimelineEntry(name, start, self.realloc(name, layouts),
-                                  self.seconds(name, layouts[name]))
-            finished[name] = entry.finish_s
+            entry = TimelineEntry(call.name, start, call.realloc_s, call.run_s, call.part)
+            finished[call.key] = entry.finish_s
             for rank in ranks:
                 device_free[rank] = entry.finish_s
             entries.append(entry)
@@ -121,40 +166,41 @@ class Evaluator:
         which every running call progresses at `Cluster.speed` of the calls running beside it.
         `seconds` are full-speed seconds (a calibration divides out each probe's own sharing),
         so a call alone on few enough devices takes exactly them."""
-        cluster, names = self.problem.cluster, list(self.problem.works)
+        cluster, calls = self.problem.cluster, self.calls(layouts)
+        by_key = {call.key: call for call in calls}
         before: dict[str, set[str]] = {}  # the calls that must finish first
         last_on: dict[int, str] = {}
-        for name in names:
-            ranks = layouts[name].mesh.ranks
-            before[name] = set(self.problem.dependencies.get(name, ()))
-            before[name] |= {last_on[rank] for rank in ranks if rank in last_on}
+        for call in calls:
+            ranks = layouts[call.name].mesh.ranks
+            before[call.key] = set(call.after)
+            before[call.key] |= {last_on[rank] for rank in ranks if rank in last_on}
             for rank in ranks:
-                last_on[rank] = name
-        full = {name: (self.realloc(name, layouts), self.seconds(name, layouts[name]))
-                for name in names}
-        left = {name: sum(full[name]) for name in names}
+                last_on[rank] = call.key
+        left = {call.key: call.realloc_s + call.run_s for call in calls}
         start: dict[str, float] = {}
         finish: dict[str, float] = {}
         now = 0.0
-        while len(finish) < len(names):
-            for name in names:
-                if name not in start and before[name] <= finish.keys():
-                    start[name] = now
-            running = [name for name in start if name not in finish]
-            busy = cluster.devices_per_node(rank for name in running
-                                            for rank in layouts[name].mesh.ranks)
-            speed = {name: cluster.speed(busy, layouts[name].mesh.ranks) for name in running}
-            step = min(left[name] / speed[name] for name in running)
+        while len(finish) < len(calls):
+            for call in calls:
+                if call.key not in start and before[call.key] <= finish.keys():
+                    start[call.key] = now
+            running = [key for key in start if key not in finish]
+            meshes = {key: layouts[by_key[key].name].mesh.ranks for key in running}
+            busy = cluster.devices_per_node(rank for key in running for rank in meshes[key])
+            speed = {key: cluster.speed(busy, meshes[key]) for key in running}
+            step = min(left[key] / speed[key] for key in running)
             now += step
-            for name in running:
-                left[name] -= step * speed[name]
-                if left[name] <= 1e-12 * max(1.0, sum(full[name])):
-                    finish[name] = now
+            for key in running:
+                left[key] -= step * speed[key]
+                call = by_key[key]
+                if left[key] <= 1e-12 * max(1.0, call.realloc_s + call.run_s):
+                    finish[key] = now
         entries = []
-        for name in names:
-            realloc_s, run_s = full[name]
-            stretch = (finish[name] - start[name]) / (realloc_s + run_s) if realloc_s + run_s else 1
-            entries.append(TimelineEntry(name, start[name], realloc_s * stretch, run_s * stretch))
+        for call in calls:
+            full = call.realloc_s + call.run_s
+            stretch = (finish[call.key] - start[call.key]) / full if full else 1
+            entries.append(TimelineEntry(call.name, start[call.key], call.realloc_s * stretch,
+                                         call.run_s * stretch, call.part))
         return tuple(entries)
 
     def plan(self, layouts: dict[str, Layout]) -> Plan:

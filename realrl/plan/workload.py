@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from realrl.api.dfg import DataflowGraph, MFCDef, MFCKind
+from realrl.api.dfg import DATASET, DataflowGraph, MFCDef, MFCKind
 from realrl.api.experiment import ExperimentSpec, ModelKind, ModelSpec
 from realrl.plan.costs import MFCWork, ModelShape, WorkKind
 
@@ -66,6 +66,9 @@ def mfc_work(config: Any, spec: ExperimentSpec, graph: DataflowGraph, mfc: MFCDe
         epochs = ppo.num_epochs
         optimizer_steps = ppo.num_minibatches * ppo.num_epochs
     dtype = getattr(model.config, "dtype", None) if model.config is not None else None
+    # The master sends a train call's forward ahead once an MFC of the step has produced one of
+    # its `forward_keys` (`Master._run_mfcs`).
+    ahead = sorted({graph.producers[key] for key in mfc.forward_keys} - {DATASET})
     return MFCWork(
         name=mfc.name, role=mfc.model_role, kind=kind,
         model=None if kind == WorkKind.rule else model_shape(spec, model),
@@ -75,6 +78,7 @@ def mfc_work(config: Any, spec: ExperimentSpec, graph: DataflowGraph, mfc: MFCDe
         role_is_trained=mfc.model_role in trained_roles,
         optimizer_steps=optimizer_steps, epochs=epochs,
         microbatch_choices=(mfc.microbatch.min_num_microbatches,),
+        forward_ahead_after=tuple(ahead),
     )
 
 

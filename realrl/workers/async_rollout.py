@@ -81,7 +81,7 @@ class AsyncRollout:
         self.rollout_mfcs = master.plan.rollout_mfcs()
         data_parallel = max(master.plan.allocations[name].strategy.data
                             for name in self.rollout_mfcs)
-        self.groups_per_request = settings.request_groups(self.batch_size, data_parallel)
+        self.groups_per_request = settings.request_groups(self.batch_size)
         self.smallest_request = data_parallel  # every request is split over these ranks
         self.bound = StalenessBound(settings.max_head_offpolicyness, self.batch_size)
         # Versions count train steps from the run's start (the master's count from this

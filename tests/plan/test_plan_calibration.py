@@ -9,7 +9,13 @@ import json
 import pytest
 from plan_fixtures import TINY, cluster, layout, work
 
-from realrl.apps.profile_plan import _user_overrides, measured_mfc_seconds, probe_allocations
+from realrl.apps.profile_plan import (
+    _user_overrides,
+    measured_mfc_seconds,
+    median_over_runs,
+    probe_allocations,
+    probe_trial,
+)
 from realrl.plan import calibration as cal
 from realrl.plan.costs import ModelShape, WorkKind, compute_seconds, mfc_seconds
 from realrl.plan.search import Evaluator, SearchProblem
@@ -126,6 +132,17 @@ def test_measured_seconds_skip_the_warm_up_step_and_add_the_forward_sent_ahead(t
     assert seconds == {"actor_train": pytest.approx(0.7)} and step == 2.0
 
 
+def test_repeated_probe_runs_are_summarised_by_each_mfcs_median_over_the_runs():
+    runs = [({"actor_gen": 0.045, "actor_train": 0.10}, 0.16),
+            ({"actor_gen": 0.068, "actor_train": 0.12}, 0.20),  # a slow run
+            ({"actor_gen": 0.047}, 0.15)]  # a run that did not time the train call
+    seconds, step = median_over_runs(runs)
+    assert seconds == {"actor_gen": 0.047, "actor_train": pytest.approx(0.11)} and step == 0.16
+    assert median_over_runs(runs[:1]) == runs[0]
+    assert [probe_trial(1, repeat) for repeat in range(3)] == \
+        ["probe1", "probe1-run2", "probe1-run3"]
+
+
 def test_probes_are_one_worker_all_data_parallel_and_tensor_parallel_where_every_mfc_splits():
     splittable = ModelShape(num_layers=2, hidden_size=8, intermediate_size=16,
                             num_attention_heads=2, num_key_value_heads=2, vocab_size=10)
@@ -153,6 +170,8 @@ def test_profile_plan_refuses_bad_input_before_any_probe_runs(capsys, tmp_path):
     work_dir = tmp_path / "probes"
     assert main(["ppo-math", "--steps", "1", "--work-dir", str(work_dir)]) == 2
     assert "--steps must be at least 2" in capsys.readouterr().err
+    assert main(["ppo-math", "--repeats", "0", "--work-dir", str(work_dir)]) == 2
+    assert "--repeats 0: give at least 1 run per probe" in capsys.readouterr().err
     assert main(["ppo-math", "gen.max_new_tokenz=4", "--work-dir", str(work_dir)]) == 2
     assert "gen.max_new_tokenz" in capsys.readouterr().err
     assert main(["no-such-experiment", "--work-dir", str(work_dir)]) == 2

@@ -45,3 +45,29 @@ def test_cpu_workers_that_outnumber_the_cores_share_them(monkeypatch):
     # GPUs are devices of their own, however few cores the launcher has
     gpus = choose.resolve_cluster(config(8, "h100"), cpu_workers=False)
     assert gpus.parallel_devices_per_node is None
+
+
+def test_ppo_maths_train_forward_sent_ahead_is_priced_as_the_master_runs_it(tmp_path):
+    # `ppo.reuse_forward` with one optimizer step a call: the master sends actor_train's
+    # forward once actor_gen has made `packed_input_ids` (critic_inf's forward is the critic's
+    # training forward: critic_train sends none); not with mini-batches, nor in GRPO without
+    # a reference or a critic, where nothing would run beside it.
+    import realrl.experiments  # noqa: F401  (registers ppo-math)
+    from realrl.api.config import resolve_config
+    from realrl.api.registry import get_experiment
+    from realrl.launcher.preflight import prepare_launch
+    from realrl.plan.workload import graph_works
+
+    def works(*overrides: str):
+        entry = get_experiment("ppo-math")
+        config = resolve_config(entry.config_class, [f"output_root={tmp_path}", *overrides], [],
+                                defaults={"experiment_name": entry.name})
+        launch = prepare_launch(config)
+        return graph_works(config, launch.spec, launch.graph)[0]
+
+    ppo = works()
+    assert ppo["actor_train"].forward_ahead_after == ("actor_gen",)
+    assert ppo["critic_train"].forward_ahead_after == ()
+    assert works("ppo.num_minibatches=2")["actor_train"].forward_ahead_after == ()
+    grpo = works("ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0")
+    assert grpo["actor_train"].forward_ahead_after == ()

@@ -11,7 +11,7 @@ from plan_fixtures import cluster, layout, work
 from realrl.plan.calibration import Calibration, MFCCorrection
 from realrl.plan.costs import WorkKind
 from realrl.plan.memory import peak_bytes_per_device
-from realrl.plan.report import describe
+from realrl.plan.report import describe, timeline_table
 from realrl.plan.search import Evaluator, SearchProblem, search
 
 
@@ -153,3 +153,30 @@ def test_the_event_simulation_without_sharing_is_the_list_schedule():
     # c waits for a and for worker 2 (b): starts at 3 s; d for a only: 1 s to 3 s.
     assert [(e.start_s, e.finish_s) for e in scheduled.timeline] == [
         (0.0, 1.0), (0.0, 3.0), (3.0, 3.5), (1.0, 3.0)]
+
+
+def test_a_train_calls_forward_sent_ahead_runs_beside_the_inference_calls():
+    # gen (1 s, worker 0) -> critic (2 s, worker 1), ref (1 s, both) -> train (3 s, worker 0).
+    # The train's forward (a third: 1 s) goes out once gen is done, before the calls gen made
+    # ready: worker 0 runs it at 1-2 s while worker 1 runs critic at 1-3 s; ref then waits for
+    # both workers (3-4 s) and the rest of the train runs 4-6 s. Sent with the call: 7 s.
+    seconds = {"gen": 1.0, "critic": 2.0, "ref": 1.0, "train": 3.0}
+    layouts = {"gen": layout([0]), "critic": layout([1]), "ref": layout([0, 1], data=2),
+               "train": layout([0])}
+    dependencies = {"critic": ("gen",), "ref": ("gen",), "train": ("gen", "critic", "ref")}
+    problem = rule_calls(seconds, dependencies, parallel=None)
+    ahead = dataclasses.replace(problem, works={
+        **problem.works,
+        "train": dataclasses.replace(problem.works["train"], forward_ahead_after=("gen",))})
+    plan = Evaluator(ahead).plan(layouts)
+    assert [(e.name, e.part, e.start_s, e.finish_s) for e in plan.timeline] == [
+        ("gen", "", 0.0, 1.0), ("train", "forward", 1.0, 2.0), ("critic", "", 1.0, 3.0),
+        ("ref", "", 3.0, 4.0), ("train", "", 4.0, pytest.approx(6.0))]
+    assert Evaluator(problem).plan(layouts).step_seconds == pytest.approx(7.0)
+    # the event simulation gives the same when nothing shares cores
+    simulated = Evaluator(dataclasses.replace(
+        ahead, cluster=dataclasses.replace(ahead.cluster, parallel_devices_per_node=4)))
+    assert [(e.start_s, e.finish_s) for e in simulated.plan(layouts).timeline] == [
+        (pytest.approx(e.start_s), pytest.approx(e.finish_s)) for e in plan.timeline]
+    table = timeline_table(ahead, plan).splitlines()
+    assert table[2].split()[:3] == ["train/forward", "d1t1p1", "0"]

@@ -110,12 +110,9 @@ def test_async_settings_are_checked_with_the_key_and_a_fix():
     assert "set `rollout.assembly=finished_first`" in problems[4]
     finished_first = RolloutConfig(mode=RolloutMode["async"], assembly=BatchAssembly.finished_first)
     assert finished_first.validate("rollout", 8, False, 1, filter_drops_groups=True) == []
-    # 0: a quarter of the batch, or the next divisor of it, at least the data-parallel size.
-    automatic = RolloutConfig(mode=RolloutMode["async"])
-    assert automatic.request_groups(batch_size=16, data_parallel=1) == 4
-    assert automatic.request_groups(batch_size=6, data_parallel=1) == 2  # 6 / 4 -> 2
-    assert automatic.request_groups(batch_size=7, data_parallel=1) == 7  # prime: one request
-    assert automatic.request_groups(batch_size=16, data_parallel=8) == 8
+    # 0: one request a batch
+    assert RolloutConfig(mode=RolloutMode["async"]).request_groups(batch_size=16) == 16
+    assert RolloutConfig(mode=RolloutMode["async"], groups_per_request=4).request_groups(16) == 4
     below_dp = RolloutConfig(mode=RolloutMode["async"], groups_per_request=1)
     assert "data-parallel size 2" in below_dp.validate("rollout", 8, False, 2, False)[0]
     assert RolloutConfig().validate("rollout", 8, True, 2, True) == []  # mode=sync
