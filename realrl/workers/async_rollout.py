@@ -106,6 +106,7 @@ class AsyncRollout:
         self.paused = False
         self.next_to_train = 0
         self.busy_s = self.bound_wait_s = 0.0  # since the last `interval_stats`
+        self.bound_waiting_since: float | None = None  # a bound wait going on, from then
         self.discarded_groups = self.discarded_tokens = 0.0  # by the rollout filter, since then
         self.dropped_since_batch = 0  # groups the filter dropped since the last batch was taken
         self.last_mark = time.perf_counter()
@@ -151,10 +152,12 @@ class AsyncRollout:
                 held = self.paused or len(self.running) >= MAX_RUNNING_REQUESTS
                 if not held and self.bound.admits(groups, self.version):
                     return
-                waited_from = time.perf_counter()
-                await self.changed.wait()
                 if not held:
-                    self.bound_wait_s += time.perf_counter() - waited_from
+                    self.bound_waiting_since = time.perf_counter()
+                await self.changed.wait()
+                if not held and self.bound_waiting_since is not None:
+                    self.bound_wait_s += time.perf_counter() - self.bound_waiting_since
+                self.bound_waiting_since = None
 
     async def _run_request(self, buffered: BufferedRequest, chunk) -> None:
         try:
@@ -256,10 +259,14 @@ class AsyncRollout:
 
     def interval_stats(self, result: StepResult, train_mfcs: list[str]) -> dict[str, float]:
         """Busy fractions over the time since the last call (one step): the generation workers'
-        (seconds of their rollout MFC calls, counted when a request finishes), the trainer's
-        (its train calls), and the time the staleness bound held the next request back."""
+        (seconds of their rollout MFC calls, counted when a request finishes: 0 in a step
+        during which none did), the trainer's (its train calls), and the time the staleness
+        bound held the next request back (a wait still going on counts up to now)."""
         now = time.perf_counter()
         interval = max(now - self.last_mark, 1e-9)
+        if self.bound_waiting_since is not None:  # a wait going on: its part in this interval
+            self.bound_wait_s += now - self.bound_waiting_since
+            self.bound_waiting_since = now
         train_s = sum(result.timing.get(name, 0.0) for name in train_mfcs)
         stats = {
             "async/generator_busy_fraction": min(1.0, self.busy_s / interval),

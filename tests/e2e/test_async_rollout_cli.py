@@ -95,9 +95,13 @@ def test_async_rollout_streams_groups_within_the_bound_and_checkpoints_the_untra
         histogram = [record[f"async/staleness_{s}_groups"] for s in range(eta + 1)]
         assert sum(histogram) == BATCH_SIZE and 0 <= record["async/staleness_max"] <= eta
         assert record["actor_train/policy_lag"] == record["async/staleness_max"]
-        assert 0 < record["async/generator_busy_fraction"] <= 1
+        # a request's generation time counts when it finishes: a step during which the bound
+        # held every request back has none (a CI run had one)
+        assert 0 <= record["async/generator_busy_fraction"] <= 1
+        assert 0 <= record["async/bound_wait_fraction"] <= 1
         assert 0 < record["async/trainer_busy_fraction"] <= 1
         assert record["async/buffer_groups"] >= 0
+    assert any(record["async/generator_busy_fraction"] > 0 for record in metrics)
     assert metrics[0]["async/staleness_max"] == 0  # nothing trained before step 1
     for row in _samples(run_dir):
         assert row["step"] - 1 - eta <= row["weight_version"] <= row["step"] - 1
