@@ -30,9 +30,8 @@ def timeline_table(problem: SearchProblem, plan: Plan) -> str:
         memory = (held_bytes(work, layout, key in trained, problem.shard_optimizer)
                   + transient_bytes(work, layout))
         micro = f" mb{layout.num_microbatches}" if layout.num_microbatches > 1 else ""
-        label = f"{entry.name}/{entry.part}" if entry.part else entry.name
         lines.append(
-            f"  {label:<19} {str(layout.strategy) + micro:<12} "
+            f"  {entry.label:<19} {str(layout.strategy) + micro:<12} "
             f"{format_ranks(layout.mesh.ranks):<8} {entry.start_s:8.3f} {entry.realloc_s:9.3f} "
             f"{entry.run_s:8.3f} {entry.finish_s:8.3f}  {_memory_text(memory)}")
     return "\n".join(lines)
@@ -48,19 +47,18 @@ def why_runner_up_lost(best: Plan, runner_up: Plan) -> str:
     them finishes later on the runner-up's critical path."""
     gap = runner_up.step_seconds - best.step_seconds
     parts = []
-    best_entries = {(entry.name, entry.part): entry for entry in best.timeline}
+    best_entries = {entry.label: entry for entry in best.timeline}
     for entry in runner_up.timeline:
         ours, theirs = best.layouts[entry.name], runner_up.layouts[entry.name]
-        mine = best_entries[entry.name, entry.part]
+        mine = best_entries[entry.label]
         if ours == theirs and abs(entry.finish_s - mine.finish_s) < 1e-12:
             continue
         if ours != theirs:
             change = f"{_layout_text(theirs)} instead of {_layout_text(ours)}"
         else:
             change = "same layout"
-        label = f"{entry.name}/{entry.part}" if entry.part else entry.name
         parts.append(
-            f"{label}: {change}: run {mine.run_s:.3f} -> {entry.run_s:.3f} s, realloc "
+            f"{entry.label}: {change}: run {mine.run_s:.3f} -> {entry.run_s:.3f} s, realloc "
             f"{mine.realloc_s:.3f} -> {entry.realloc_s:.3f} s, ends {mine.finish_s:.3f} -> "
             f"{entry.finish_s:.3f} s")
     share = gap / best.step_seconds if best.step_seconds else 0.0

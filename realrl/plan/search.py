@@ -52,6 +52,11 @@ class SearchProblem:
         return self.memory_limit_bytes or self.cluster.device.memory_bytes
 
 
+def call_label(name: str, part: str) -> str:
+    """``actor_train/forward`` for a part of an MFC's call, the MFC's name for the call."""
+    return f"{name}/{part}" if part else name
+
+
 @dataclasses.dataclass(frozen=True)
 class TimelineEntry:
     name: str
@@ -59,6 +64,10 @@ class TimelineEntry:
     realloc_s: float  # weights moved onto this layout before the call
     run_s: float  # the call itself (compute and communication)
     part: str = ""  # "forward": a train call's forward sent ahead; "": the (rest of the) call
+
+    @property
+    def label(self) -> str:
+        return call_label(self.name, self.part)
 
     @property
     def finish_s(self) -> float:
@@ -88,7 +97,7 @@ class _Call:
 
     @property
     def key(self) -> str:
-        return f"{self.name}/{self.part}" if self.part else self.name
+        return call_label(self.name, self.part)
 
 
 class Evaluator:

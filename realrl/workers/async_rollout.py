@@ -155,7 +155,7 @@ class AsyncRollout:
                 if not held:
                     self.bound_waiting_since = time.perf_counter()
                 await self.changed.wait()
-                if not held and self.bound_waiting_since is not None:
+                if self.bound_waiting_since is not None:  # set above only when not held
                     self.bound_wait_s += time.perf_counter() - self.bound_waiting_since
                 self.bound_waiting_since = None
 
