@@ -142,3 +142,25 @@ def test_token_staleness_counts_every_generated_token_and_the_interrupted_groups
     assert stats == {"async/token_staleness_mean": 11 / 8, "async/token_staleness_max": 2.0,
                      "async/interrupted_groups": 1.0}
     assert token_staleness_stats(request(1, 0, {}, 0, "p").result.data, 5) == {}
+
+
+def test_a_bound_wait_still_going_on_counts_in_the_step_it_spans(monkeypatch):
+    # The producer has waited on the bound since t=10.5; the trainer's step ran from t=10 to
+    # t=11 with no request finishing: half the step was the bound's, none the generator's.
+    # The next step (to t=12) gets the wait's remaining second, not the first half again.
+    from realrl.workers import async_rollout
+
+    clock = iter([11.0, 12.0])
+    monkeypatch.setattr(async_rollout.time, "perf_counter", lambda: next(clock))
+    rollout = async_rollout.AsyncRollout.__new__(async_rollout.AsyncRollout)
+    rollout.busy_s = rollout.bound_wait_s = 0.0
+    rollout.discarded_groups = rollout.discarded_tokens = 0.0
+    rollout.last_mark, rollout.bound_waiting_since = 10.0, 10.5
+    result = StepResult(step=1, data=None)
+    result.timing["actor_train"] = 0.8
+    first = rollout.interval_stats(result, ["actor_train"])
+    assert first["async/bound_wait_fraction"] == pytest.approx(0.5)
+    assert first["async/generator_busy_fraction"] == 0.0
+    assert first["async/trainer_busy_fraction"] == pytest.approx(0.8)
+    second = rollout.interval_stats(result, ["actor_train"])
+    assert second["async/bound_wait_fraction"] == pytest.approx(1.0)
