@@ -71,3 +71,12 @@ def test_ppo_maths_train_forward_sent_ahead_is_priced_as_the_master_runs_it(tmp_
     assert works("ppo.num_minibatches=2")["actor_train"].forward_ahead_after == ()
     grpo = works("ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0")
     assert grpo["actor_train"].forward_ahead_after == ()
+
+
+def test_the_explorers_ppo_sends_the_actors_forward_ahead_with_one_minibatch_only():
+    from realrl.plan.presets import RLWorkload, rl_graph
+
+    one = rl_graph(RLWorkload(ppo_minibatches=1))[0]
+    assert one["actor_train"].forward_ahead_after == ("actor_gen",)
+    assert one["critic_train"].forward_ahead_after == ()
+    assert rl_graph(RLWorkload(ppo_minibatches=4))[0]["actor_train"].forward_ahead_after == ()
