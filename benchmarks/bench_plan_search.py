@@ -8,11 +8,15 @@ measured step is the median of `timing/step_s` over the steps after the first (w
 prediction is `realrl.plan`'s for the same allocation, on the same machine profile the
 launcher uses (`$REALRL_CACHE/plan/cpu-*.json`), calibrated first (unless `--no-profile`) by
 `python -m realrl.apps.profile_plan` with the same keys: its probe runs (`*:d1@0`, `dN`,
-`d(N/2)t2`) fit each MFC's costs, and the table marks the allocations that are probes (their
-runs here are new runs, but their layouts are what the fit saw). With `--repeats N` every
-allocation (and every probe) runs N times, in rounds (each plan once, then again, so that the
-machine's drift over minutes spreads over all of them), and the measured step is the median of
-the runs' medians. Responses are forced to
+`d(N/2)t2`, and the side-by-side probe where calls can overlap) fit each MFC's costs and the
+contention between workers, and the table marks the allocations that are probes. With
+`--repeats N` every allocation (and every probe) runs N times, in rounds (each plan once, then
+again, so that the machine's drift over minutes spreads over all of them), and the measured
+step is the median of the runs' medians. After the rounds the calibration is fitted again to
+every run of each probe's allocation, the profile's and the ones here (the machine runs the
+same allocation up to 25% apart a few minutes later: CPU time stolen by other guests, shown
+per run), every plan is priced again with it, and the search is made again with it; the table
+shows both predictions. Responses are forced to
 `gen.max_new_tokens` tokens (`gen.min_new_tokens` equal to it), and each worker keeps its own
 core (`share_idle_cores=false`: a call alone on the machine does not borrow the idle
 workers' threads), as the cost model assumes.
@@ -38,13 +42,13 @@ from realrl.api.allocation_mode import parse_allocation_mode
 from realrl.apps import profile_plan
 from realrl.apps.quickstart import get_experiment, resolve_config
 from realrl.launcher.preflight import prepare_launch
-from realrl.plan.calibration import ProbeSample, fit
+from realrl.plan.calibration import ProbeSample, fit, save_calibration
 from realrl.plan.choose import launch_problem
 from realrl.plan.costs import Layout
 from realrl.plan.search import Evaluator, SearchProblem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import run_quickstart  # noqa: E402
+from bench_setup import StealMeter, run_quickstart  # noqa: E402
 
 logger = logging.getLogger("bench_plan_search")
 GRPO = ["ppo.disable_value=true", "ppo.adv_estimator=grpo", "ppo.kl_ctl=0"]
@@ -113,15 +117,16 @@ def overrides(args: argparse.Namespace, experiment: str, plan: str, trial: str) 
 def unshared(args: argparse.Namespace, problem: SearchProblem,
              probe_dir: Path) -> SearchProblem | None:
     """Where the workers share cores: the same problem as if each had its own, calibrated
-    from the same probe runs (in `probe_dir`) without dividing out their sharing, as the model
-    did before `Cluster.parallel_devices_per_node`; None otherwise or without probe runs."""
+    from the same probe runs (in `probe_dir`) without dividing out their sharing or their
+    contention, as the model did before `Cluster.parallel_devices_per_node`; None otherwise
+    or without probe runs."""
     probes = profile_plan.probe_allocations(problem)
     runs = [[probe_dir / "profile-plan" / profile_plan.probe_trial(index, repeat) / "metrics.jsonl"
              for repeat in range(args.repeats)] for index in range(len(probes))]
     if problem.cluster.parallel_devices_per_node is None or not all(
             path.is_file() for paths in runs for path in paths):
         return None
-    cluster = dataclasses.replace(problem.cluster, parallel_devices_per_node=None)
+    cluster = dataclasses.replace(problem.cluster, parallel_devices_per_node=None, contention=0.0)
     samples: dict[str, list[ProbeSample]] = {name: [] for name in problem.works}
     for allocation_mode, paths in zip(probes, runs, strict=True):
         layouts = profile_plan.probe_layouts(problem, allocation_mode)
@@ -133,33 +138,75 @@ def unshared(args: argparse.Namespace, problem: SearchProblem,
                                calibration=fit(problem.works, cluster, samples))
 
 
-def predicted(args: argparse.Namespace, experiment: str,
-              plan: str) -> tuple[float, float | None, str]:
-    """(predicted step seconds, the same without core sharing where workers share cores, the
-    allocation_mode the plan resolves to)."""
+def problem_of(args: argparse.Namespace, experiment: str, plan: str,
+               calibrated: bool = True) -> tuple[SearchProblem, dict[str, Layout]]:
+    """The launcher's search problem for the experiment's keys and the layouts `plan`
+    resolves to (a search runs for ``search``)."""
     entry = get_experiment("ppo-math")
     config = resolve_config(entry.config_class, overrides(args, experiment, plan, "predict"),
                             [], defaults={"experiment_name": entry.name})
     launch = prepare_launch(config)
-    problem = launch_problem(config, launch.spec, launch.graph, cpu_workers=True)
+    problem = launch_problem(config, launch.spec, launch.graph, cpu_workers=True,
+                             calibrated=calibrated)
     layouts = {name: Layout(allocation.mesh, allocation.strategy,
                             problem.works[name].microbatch_choices[0])
                for name, allocation in launch.allocations.items()}
-    layouts = {name: layouts[name] for name in problem.works}
+    return problem, {name: layouts[name] for name in problem.works}
+
+
+def resolved_mode(layouts: dict[str, Layout]) -> str:
+    return ",".join(layout.text(name) for name, layout in layouts.items())
+
+
+def predicted(args: argparse.Namespace, experiment: str,
+              plan: str) -> tuple[float, float | None, str]:
+    """(predicted step seconds, the same without core sharing where workers share cores, the
+    allocation_mode the plan resolves to)."""
+    problem, layouts = problem_of(args, experiment, plan)
     plan_result = Evaluator(problem).plan(layouts)
     without_sharing = unshared(args, problem, args.work_dir / "profile" / experiment)
     unshared_s = Evaluator(without_sharing).plan(layouts).step_seconds if without_sharing else None
-    resolved = ",".join(layout.text(name) for name, layout in layouts.items())
+    resolved = resolved_mode(layouts)
     parse_allocation_mode(resolved, list(layouts), 1, args.workers)  # round-trips
     return plan_result.step_seconds, unshared_s, resolved
 
 
-def measured(args: argparse.Namespace, experiment: str, plan: str, trial: str) -> float:
-    steps = run_quickstart("ppo-math", overrides(args, experiment, plan, trial),
-                           args.work_dir / "runs" / "plan-search" / trial,
-                           args.work_dir / "logs" / f"{trial}.log", args.timeout_s)
+def trial_metrics(args: argparse.Namespace, trial: str) -> Path:
+    return args.work_dir / "runs" / "plan-search" / trial / "metrics.jsonl"
+
+
+def measured(args: argparse.Namespace, experiment: str, plan: str,
+             trial: str) -> tuple[float, float | None]:
+    """(the run's median step, the fraction of CPU time stolen while it ran)."""
+    with StealMeter() as steal:
+        steps = run_quickstart("ppo-math", overrides(args, experiment, plan, trial),
+                               trial_metrics(args, trial).parent,
+                               args.work_dir / "logs" / f"{trial}.log", args.timeout_s)
     step_s = [record["timing/step_s"] for record in steps]
-    return statistics.median(step_s[1:] or step_s)
+    return statistics.median(step_s[1:] or step_s), steal.fraction
+
+
+def refit(args: argparse.Namespace, experiment: str, rows: list[dict]) -> Path:
+    """Fit the calibration again to every run of each probe's allocation (the profile's runs
+    and the runs here, which the machine's drift between the two phases would otherwise split),
+    save it where the launcher reads it, and return its path."""
+    problem, _ = problem_of(args, experiment, "auto", calibrated=False)
+    probes = profile_plan.probe_allocations(problem)
+    side_by_side = profile_plan.side_by_side_allocation(problem)
+    allocations = probes + ([side_by_side] if side_by_side else [])
+    profile_dir = args.work_dir / "profile" / experiment / "profile-plan"
+    runs = []
+    for index, allocation_mode in enumerate(allocations):
+        resolved = resolved_mode(profile_plan.probe_layouts(problem, allocation_mode))
+        runs.append([profile_dir / profile_plan.probe_trial(index, repeat) / "metrics.jsonl"
+                     for repeat in range(args.repeats)]
+                    + [trial_metrics(args, trial) for row in rows if row["resolved"] == resolved
+                       for trial in row["trials"]])
+    calibration = profile_plan.calibrate_from_runs(problem, probes, side_by_side, runs)
+    logger.info("%s: calibration fitted again to %s runs of the probes' allocations "
+                "(contention %.3f)", experiment, [len(paths) for paths in runs],
+                calibration.contention)
+    return save_calibration(problem.works, problem.cluster, calibration)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,37 +229,70 @@ def main(argv: list[str] | None = None) -> None:
         for plan in plans:
             prediction, unshared_s, resolved = predicted(args, experiment, plan)
             rows.append({"experiment": experiment, "plan": plan, "resolved": resolved,
-                         "predicted_s": prediction, "runs_s": [], "loads": [],
-                         "probe": plan in probes, "predicted_unshared_s": unshared_s})
+                         "predicted_s": prediction, "runs_s": [], "loads": [], "steals": [],
+                         "trials": [], "predicted_unshared_s": unshared_s})
+        probe_modes = {predicted(args, experiment, probe)[2] for probe in probes}
+        for row in rows:
+            row["probe"] = row["resolved"] in probe_modes
         for repeat in range(args.repeats):  # in rounds, as the probes
             for index, row in enumerate(rows):
                 trial = f"{experiment}-{index}" + (f"-run{repeat + 1}" if repeat else "")
-                row["runs_s"].append(measured(args, experiment, row["plan"], trial))
+                step_s, steal = measured(args, experiment, row["plan"], trial)
+                row["trials"].append(trial)
+                row["runs_s"].append(step_s)
+                row["steals"].append(steal)
                 row["loads"].append(os.getloadavg()[0])
                 row["measured_s"] = statistics.median(row["runs_s"])
                 row["load"] = max(row["loads"])
                 logger.info("%s", row)
+        if probes:
+            refit(args, experiment, rows)
+            for row in rows:
+                row["predicted_profile_s"] = row["predicted_s"]
+                row["predicted_s"], row["predicted_unshared_s"], _ = predicted(
+                    args, experiment, row["plan"] if row["plan"] != "search" else row["resolved"])
+                if row["plan"] == "search":
+                    row["searched_again_s"], _, row["searched_again"] = predicted(
+                        args, experiment, "search")
         results += rows
     (args.work_dir / "results.json").write_text(json.dumps(results, indent=1))
     for experiment in args.experiments.split(","):
-        rows = [r for r in results if r["experiment"] == experiment]
-        shared = any(r.get("predicted_unshared_s") is not None for r in rows)
-        extra = " without core sharing: predicted s | error |" if shared else ""
-        runs = " (median of runs)" if any(len(r.get("runs_s", [])) > 1 for r in rows) else ""
-        lines = [f"{experiment}:", f"| allocation_mode | resolved | predicted s | measured s{runs} "
-                 "| error | load |" + extra, "|" + "---|" * (8 if shared else 6)]
-        for r in rows:
-            error = r["predicted_s"] / r["measured_s"] - 1
-            probe = " (probe)" if r.get("probe") else ""
-            each = ", ".join(f"{s:.3f}" for s in r.get("runs_s", [])) if runs else ""
-            line = (f"| `{r['plan']}`{probe} | `{r['resolved']}` | {r['predicted_s']:.3f} | "
-                    f"{r['measured_s']:.3f}{f' ({each})' if each else ''} | {error:+.0%} | "
-                    f"{r['load']:.1f} |")
-            if shared:
-                alone = r["predicted_unshared_s"]
-                line += f" {alone:.3f} | {alone / r['measured_s'] - 1:+.0%} |"
-            lines.append(line)
-        sys.stdout.write("\n".join(lines) + "\n\n")
+        sys.stdout.write(table([r for r in results if r["experiment"] == experiment]) + "\n")
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of one experiment's rows, and the search's choice under the fit to
+    every run when it was made again."""
+    experiment = rows[0]["experiment"]
+    shared = any(r.get("predicted_unshared_s") is not None for r in rows)
+    refitted = any("predicted_profile_s" in r for r in rows)
+    runs = " (median of runs)" if any(len(r.get("runs_s", [])) > 1 for r in rows) else ""
+    steal = all(r.get("steals") for r in rows)
+    header = (f"| allocation_mode | resolved | predicted s | measured s{runs} | error |"
+              + (" from the profile's runs alone: predicted s | error |" if refitted else "")
+              + (" steal |" if steal else " load |")
+              + (" without core sharing: predicted s | error |" if shared else ""))
+    lines = [f"{experiment}:", header, "|" + "---|" * header.count(" |")]
+    for r in rows:
+        probe = " (probe)" if r.get("probe") else ""
+        each = ", ".join(f"{s:.3f}" for s in r.get("runs_s", [])) if runs else ""
+        line = (f"| `{r['plan']}`{probe} | `{r['resolved']}` | {r['predicted_s']:.3f} | "
+                f"{r['measured_s']:.3f}{f' ({each})' if each else ''} | "
+                f"{r['predicted_s'] / r['measured_s'] - 1:+.0%} |")
+        if refitted:
+            line += (f" {r['predicted_profile_s']:.3f} | "
+                     f"{r['predicted_profile_s'] / r['measured_s'] - 1:+.0%} |")
+        line += (f" {max(r['steals']):.0%} |" if steal else f" {r['load']:.1f} |")
+        if shared:
+            alone = r["predicted_unshared_s"]
+            line += f" {alone:.3f} | {alone / r['measured_s'] - 1:+.0%} |"
+        lines.append(line)
+    for r in rows:
+        if "searched_again" in r:
+            same = "the same plan" if r["searched_again"] == r["resolved"] else "a different plan"
+            lines += ["", f"searched again with the fit to every run: {same}, "
+                      f"`{r['searched_again']}` (predicted {r['searched_again_s']:.3f} s)"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

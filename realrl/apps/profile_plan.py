@@ -5,14 +5,16 @@
 Takes the same experiment, overrides, ``--config`` and ``--import`` as
 `realrl.apps.quickstart`, and runs the experiment through that CLI for ``--steps`` steps
 under each probe allocation: every MFC on worker 0 (``*:d1@0``), every MFC data-parallel
-over all workers (``dN``), and every MFC ``d(N/2)t2`` when all of them can be split in two.
-Each MFC's median seconds over the steps after the first (`timing/<mfc>`, with the forward
-a train MFC sends ahead; with ``--repeats``, the median over that many runs of each probe,
-run round by round) are fitted per MFC (`realrl.plan.calibration`) and cached, keyed by
-the workload, the cluster and this machine's CPU profile; `allocation_mode=search` with the
-same keys then prices plans with the fit. Prints, per probe and MFC, the prediction before and
-after the fit against the measurement. Runs go to a temporary directory (``--work-dir`` keeps
-them).
+over all workers (``dN``), every MFC ``d(N/2)t2`` when all of them can be split in two, and,
+where two of the graph's calls can overlap, the side-by-side probe (its roles alternately on
+the two halves of the workers, `realrl.plan.contention`). Each MFC's median seconds over the
+steps after the first (`timing/<mfc>`, with the forward a train MFC sends ahead; with
+``--repeats``, the median over that many runs of each probe, run round by round) are fitted
+per MFC (`realrl.plan.calibration`), the side-by-side probe's calls give the contention
+between workers, and the fit is cached, keyed by the workload, the cluster and this machine's
+CPU profile; `allocation_mode=search` with the same keys then prices plans with it. Prints,
+per probe and call, the prediction before and after the fit against the measurement. Runs go
+to a temporary directory (``--work-dir`` keeps them).
 """
 
 from __future__ import annotations
@@ -34,10 +36,16 @@ from realrl.api.config import ConfigError, resolve_config
 from realrl.api.registry import RegistryError, get_experiment, import_user_module, load_plugins
 from realrl.launcher.plan import workers_without_gpus
 from realrl.launcher.preflight import prepare_launch
-from realrl.plan.calibration import ProbeSample, corrected_seconds, fit, save_calibration
+from realrl.plan.calibration import (
+    Calibration,
+    ProbeSample,
+    fit,
+    save_calibration,
+)
 from realrl.plan.candidates import candidate_layouts
 from realrl.plan.choose import launch_problem
-from realrl.plan.costs import Layout, mfc_seconds
+from realrl.plan.contention import fit_contention, side_by_side_layouts, with_contention
+from realrl.plan.costs import Cluster, Layout
 from realrl.plan.search import Evaluator, SearchProblem
 
 logger = logging.getLogger("realrl.apps.profile_plan")
@@ -91,20 +99,37 @@ def probe_layouts(problem: SearchProblem, allocation_mode: str) -> dict[str, Lay
             for name, work in problem.works.items()}
 
 
+def _measured_steps(metrics_path: Path) -> list[dict]:
+    """The metrics records of the steps after the first (the warm-up)."""
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
+    if not records:
+        raise RuntimeError(f"{metrics_path} has no step")
+    return records[1:] or records
+
+
 def measured_mfc_seconds(metrics_path: Path, mfc_names: list[str]) -> tuple[dict[str, float],
                                                                                float]:
     """Each MFC's median seconds (its `timing/<mfc>` plus `timing/<mfc>/forward` when it sent a
     forward ahead) and the median step, over the steps after the first."""
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
-    measured = records[1:] or records
-    if not measured:
-        raise RuntimeError(f"{metrics_path} has no step")
+    measured = _measured_steps(metrics_path)
     seconds = {}
     for name in mfc_names:
         values = [record.get(f"timing/{name}", 0.0) + record.get(f"timing/{name}/forward", 0.0)
                   for record in measured if f"timing/{name}" in record]
         if values:
             seconds[name] = statistics.median(values)
+    return seconds, statistics.median(record["timing/step_s"] for record in measured)
+
+
+def measured_call_seconds(metrics_path: Path, mfc_names: list[str]) -> tuple[dict[str, float],
+                                                                                float]:
+    """`measured_mfc_seconds` by call: the forward a train MFC sent ahead on its own
+    (``actor_train/forward``), as the search's timeline labels them."""
+    measured = _measured_steps(metrics_path)
+    labels = [label for name in mfc_names for label in (name, f"{name}/forward")]
+    seconds = {label: statistics.median(record[f"timing/{label}"] for record in measured
+                                        if f"timing/{label}" in record)
+               for label in labels if any(f"timing/{label}" in record for record in measured)}
     return seconds, statistics.median(record["timing/step_s"] for record in measured)
 
 
@@ -152,8 +177,37 @@ def run_probe(args: argparse.Namespace, allocation_mode: str, index: int, repeat
     return work_dir / "profile-plan" / trial / "metrics.jsonl"
 
 
+def side_by_side_allocation(problem: SearchProblem) -> str | None:
+    """The side-by-side probe's `allocation_mode` (`realrl.plan.contention`), or None."""
+    layouts = side_by_side_layouts(problem)
+    return ",".join(layout.text(name) for name, layout in layouts.items()) if layouts else None
+
+
+def calibrate_from_runs(problem: SearchProblem, probes: list[str], side_by_side: str | None,
+                        runs: list[list[Path]]) -> Calibration:
+    """The fit to the runs (metrics.jsonl paths) of each of `probes` and then of the
+    side-by-side probe, when there is one: per-MFC corrections, and the contention that the
+    side-by-side probe's step shows."""
+    names = list(problem.works)
+    samples: dict[str, list[ProbeSample]] = {name: [] for name in names}
+    for allocation_mode, paths in zip(probes, runs[:len(probes)], strict=True):
+        layouts = probe_layouts(problem, allocation_mode)
+        measured, _ = median_over_runs([measured_mfc_seconds(path, names) for path in paths])
+        for name, value in measured.items():
+            samples[name].append(ProbeSample(layouts[name], value))
+
+    def corrections(cluster: Cluster) -> Calibration:
+        return fit(problem.works, cluster, samples)
+
+    if side_by_side is None:
+        return corrections(problem.cluster)
+    _, step = median_over_runs([measured_mfc_seconds(path, names) for path in runs[len(probes)]])
+    return fit_contention(problem, corrections, probe_layouts(problem, side_by_side), step)
+
+
 def profile(args: argparse.Namespace, config: Any, out: TextIO) -> tuple[Path, list[str]]:
-    """Run the probes, fit, cache and print; (the calibration's path, the probes)."""
+    """Run the probes, fit, cache and print; (the calibration's path, the probes, the
+    side-by-side one last)."""
     # The checks of a start, and the default model paths filled in (the model shapes are read
     # from their config.json); `auto` so that no search runs here.
     config.allocation_mode = "auto"
@@ -161,56 +215,64 @@ def profile(args: argparse.Namespace, config: Any, out: TextIO) -> tuple[Path, l
     problem = launch_problem(config, launch.spec, launch.graph, workers_without_gpus(config),
                              calibrated=False)
     probes = probe_allocations(problem)
+    side_by_side = side_by_side_allocation(problem)
+    allocations = probes + ([side_by_side] if side_by_side else [])
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="realrl-profile-plan-")).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    samples: dict[str, list[ProbeSample]] = {name: [] for name in problem.works}
-    steps: list[tuple[str, dict[str, Layout], dict[str, float], float]] = []
-    runs: list[list[tuple[dict[str, float], float]]] = [[] for _ in probes]
+    runs: list[list[Path]] = [[] for _ in allocations]
     try:
         for repeat in range(args.repeats):  # in rounds: a slow minute spreads over the probes
-            for index, allocation_mode in enumerate(probes):
-                metrics = run_probe(args, allocation_mode, index, repeat, work_dir)
-                runs[index].append(measured_mfc_seconds(metrics, list(problem.works)))
+            for index, allocation_mode in enumerate(allocations):
+                runs[index].append(run_probe(args, allocation_mode, index, repeat, work_dir))
+        calibration = calibrate_from_runs(problem, probes, side_by_side, runs)
+        names = list(problem.works)
+        measured = [median_over_runs([measured_call_seconds(path, names) for path in paths])
+                    for paths in runs]
     finally:
         if args.work_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
-    for allocation_mode, probe_runs in zip(probes, runs, strict=True):
-        layouts = probe_layouts(problem, allocation_mode)
-        measured, step = median_over_runs(probe_runs)
-        for name, value in measured.items():
-            samples[name].append(ProbeSample(layouts[name], value))
-        steps.append((allocation_mode, layouts, measured, step))
-    calibration = fit(problem.works, problem.cluster, samples)
     path = save_calibration(problem.works, problem.cluster, calibration)
-    calibrated = Evaluator(dataclasses.replace(problem, calibration=calibration))
+    out.write(report(problem, calibration, allocations, measured, args.repeats) +
+              f"\ncalibration written to {path}; allocation_mode=search with the same keys uses "
+              "it\n")
+    return path, allocations
+
+
+def report(problem: SearchProblem, calibration: Calibration, allocations: list[str],
+           measured: list[tuple[dict[str, float], float]], repeats: int) -> str:
+    """Per probe and call: the model alone, the measurement, the calibrated model (each call
+    as the calibrated step simulates it, beside what runs with it); then the fit."""
+    calibrated = Evaluator(dataclasses.replace(with_contention(problem, calibration.contention),
+                                               calibration=calibration))
     uncalibrated = Evaluator(problem)
-    repeats = f", median of {args.repeats} runs per probe" if args.repeats > 1 else ""
-    lines = [f"device: {problem.cluster.device.name}, {problem.cluster.size} worker(s){repeats}",
+    runs = f", median of {repeats} runs per probe" if repeats > 1 else ""
+    lines = [f"device: {problem.cluster.device.name}, {problem.cluster.size} worker(s){runs}",
              "",
-             "| probe | MFC | layout | model s | measured s | calibrated s |",
+             "| probe | call | layout | model s | measured s | calibrated s |",
              "|---|---|---|---|---|---|"]
-    for allocation_mode, layouts, measured, step in steps:
-        for name, work in problem.works.items():
-            layout = layouts[name]
-            # at the probe's own share of the cores, as measured (the fit is at full speed)
-            fitted = corrected_seconds(work, layout, problem.cluster, calibration.correction(
-                name)) / problem.cluster.solo_speed(layout.mesh.ranks)
-            seconds = f"{measured[name]:.4f}" if name in measured else "-"
-            lines.append(f"| `{allocation_mode}` | {name} | {layout.strategy} | "
-                         f"{mfc_seconds(work, layout, problem.cluster):.4f} | {seconds} | "
-                         f"{fitted:.4f} |")
+    for allocation_mode, (seconds, step) in zip(allocations, measured, strict=True):
+        layouts = probe_layouts(problem, allocation_mode)
+        model = {entry.label: entry.realloc_s + entry.run_s
+                 for entry in uncalibrated.timeline(layouts)}
+        plan = calibrated.plan(layouts)
+        for entry in plan.timeline:
+            value = f"{seconds[entry.label]:.4f}" if entry.label in seconds else "-"
+            lines.append(f"| `{allocation_mode}` | {entry.label} | "
+                         f"{layouts[entry.name].strategy} | {model[entry.label]:.4f} | {value} | "
+                         f"{entry.realloc_s + entry.run_s:.4f} |")
         lines.append(f"| `{allocation_mode}` | step | | "
                      f"{uncalibrated.plan(layouts).step_seconds:.4f} | {step:.4f} | "
-                     f"{calibrated.plan(layouts).step_seconds:.4f} |")
+                     f"{plan.step_seconds:.4f} |")
     lines += ["", "per MFC: seconds = scale x compute + offset (by tensor size) + communication"]
     for name, correction in calibration.corrections:
         tensor = "".join(f", t{t} {o:.4f}" for t, o in correction.tensor_offsets_s)
         lines.append(f"  {name:<14} scale {correction.scale:.3f}, offset {correction.offset_s:.4f}"
                      f" s{tensor}")
-    lines += ["", f"calibration written to {path}; allocation_mode=search with the same keys "
-              "uses it"]
-    out.write("\n".join(lines) + "\n")
-    return path, probes
+    if len(allocations) > len(probe_allocations(problem)):
+        lines.append(f"contention {calibration.contention:.3f}: with k of a machine's workers "
+                     f"busy, each call runs 1 + {calibration.contention:.3f} x (k - 1) times "
+                     "slower (the side-by-side probe)")
+    return "\n".join(lines) + "\n"
 
 
 def resolve(args: argparse.Namespace) -> Any:

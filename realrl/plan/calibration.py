@@ -17,8 +17,10 @@ is at full speed: where a probe's call ran on more workers than the node has cor
 (`Cluster.solo_speed`), which the search applies again to each call by what runs beside it.
 The tp = 1 probes give (scale, offset) from two points (one point: scale 1); each probe with
 tensor parallelism adds an offset of its own for that tensor size (its collectives cost the
-runtime more than the ring formula says), keeping the tp = 1 scale. A layout whose tensor size no probe ran
-gets the tp = 1 fit.
+runtime more than the ring formula says), keeping the tp = 1 scale. A layout whose tensor size
+no probe ran gets the tp = 1 fit. Where a probe runs different MFCs side by side on disjoint
+workers, `realrl.plan.contention` fits how much they slow each other
+(`Cluster.contention`, kept here as `Calibration.contention`).
 
 The fit is cached per machine, thread count and workload (`calibration_path`), and
 `allocation_mode=search` uses it whenever it exists (`realrl.plan.choose`).
@@ -34,7 +36,8 @@ from pathlib import Path
 from realrl.api import environment
 from realrl.plan.costs import Cluster, Layout, MFCWork, compute_seconds, mfc_seconds
 
-FORMAT_VERSION = 1
+# 2: `Calibration.contention`
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +56,13 @@ class MFCCorrection:
 class Calibration:
     corrections: tuple[tuple[str, MFCCorrection], ...]  # MFC name -> correction
     source: str = ""  # where it was measured (the cache file), for the report
+    contention: float = 0.0  # `Cluster.contention` the corrections were fitted with
 
     def correction(self, name: str) -> MFCCorrection | None:
         return dict(self.corrections).get(name)
 
     def to_json(self) -> dict:
-        return {"version": FORMAT_VERSION,
+        return {"version": FORMAT_VERSION, "contention": self.contention,
                 "corrections": {name: {"scale": c.scale, "offset_s": c.offset_s,
                                        "tensor_offsets_s": {str(t): o
                                                             for t, o in c.tensor_offsets_s}}
@@ -71,7 +75,7 @@ class Calibration:
                                  tuple(sorted((int(t), o)
                                               for t, o in entry["tensor_offsets_s"].items()))))
             for name, entry in data["corrections"].items())
-        return cls(corrections, source)
+        return cls(corrections, source, data["contention"])
 
 
 def communication_seconds(work: MFCWork, layout: Layout, cluster: Cluster) -> float:

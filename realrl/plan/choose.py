@@ -89,11 +89,12 @@ def launch_problem(config: Any, spec: ExperimentSpec, graph: DataflowGraph,
                    cpu_workers: bool, calibrated: bool = True) -> SearchProblem:
     """The run's search problem; with the per-MFC calibration that `python -m
     realrl.apps.profile_plan` measured for this workload on this machine, when there is one
-    (and `calibrated`)."""
+    (and `calibrated`), and the contention between its workers that the calibration found."""
     works, dependencies = graph_works(config, spec, graph)
     cluster = resolve_cluster(config, cpu_workers)
     calibration = load_calibration(works, cluster) if calibrated else None
     if calibration is not None:
+        cluster = dataclasses.replace(cluster, contention=calibration.contention)
         logger.info("plan search: per-MFC costs calibrated by real runs (%s)", calibration.source)
     elif calibrated and not cluster.device.is_gpu:
         logger.info("plan search: per-MFC costs not calibrated for this workload; `python -m "

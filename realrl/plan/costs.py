@@ -133,10 +133,21 @@ class Cluster:
     # has its own hardware). CPU workers that outnumber the cores share them: with ``k`` of
     # a node's workers busy, each runs at ``min(1, parallel_devices_per_node / k)``.
     parallel_devices_per_node: int | None = None
+    # How much a node's busy devices slow each other besides sharing cores (CPU workers and
+    # the master on one machine's caches, memory bandwidth and spare core): with ``k`` busy,
+    # ``k`` capped at the devices that run at once, each runs ``1 + contention x (k - 1)``
+    # times slower. 0 for accelerators; fitted to a side-by-side probe run on CPU
+    # (`realrl.plan.calibration.fit_contention`).
+    contention: float = 0.0
 
     @property
     def size(self) -> int:
         return self.n_nodes * self.n_devices_per_node
+
+    @property
+    def devices_interfere(self) -> bool:
+        """Whether calls on different devices of a node slow each other (`speed` below 1)."""
+        return self.parallel_devices_per_node is not None or self.contention > 0
 
     def devices_per_node(self, ranks: Iterable[int]) -> Counter[int]:
         """How many of `ranks` each node holds."""
@@ -145,11 +156,14 @@ class Cluster:
     def speed(self, busy_per_node: Counter[int], ranks: tuple[int, ...]) -> float:
         """The fraction of full speed a call on `ranks` runs at while `busy_per_node[node]` of
         each node's devices (its own among them) are running calls."""
-        slots = self.parallel_devices_per_node
-        if slots is None:
+        if not self.devices_interfere:
             return 1.0
-        return min(min(1.0, slots / max(busy_per_node[node], 1))
-                   for node in self.devices_per_node(ranks))
+        slots = self.parallel_devices_per_node or self.n_devices_per_node
+        speeds = []
+        for node in self.devices_per_node(ranks):
+            busy = max(busy_per_node[node], 1)
+            speeds.append(min(1.0, slots / busy) / (1 + self.contention * (min(busy, slots) - 1)))
+        return min(speeds)
 
     def solo_speed(self, ranks: tuple[int, ...]) -> float:
         """`speed` of a call on `ranks` with nothing else running (a calibration probe's)."""

@@ -12,9 +12,10 @@ one). A train call whose first forward the master sends ahead (`MFCWork.forward_
 reduce (a backward costs two forwards), once the calls it reads from have finished and before
 the other calls they make ready (the master wakes the forwards first), and the rest after all
 its inputs. A plan whose peak memory on any device exceeds the limit is never returned. Where a
-node's devices share its cores (CPU workers that outnumber them:
-`Cluster.parallel_devices_per_node`), calls side by side slow each other: the step is then
-simulated event by event, each running call at its share of the cores.
+node's devices slow each other (CPU workers that outnumber its cores,
+`Cluster.parallel_devices_per_node`, or that contend for its caches, memory and the master's
+core, `Cluster.contention`), the step is simulated event by event instead, each running call at
+`Cluster.speed` of what runs beside it.
 
 Small spaces are enumerated; larger ones get simulated annealing from the best symmetric plan
 for 60% of the time budget, then a coordinate-descent polish (each MFC's best layout with the
@@ -154,7 +155,7 @@ class Evaluator:
         return calls
 
     def timeline(self, layouts: dict[str, Layout]) -> tuple[TimelineEntry, ...]:
-        if self.problem.cluster.parallel_devices_per_node is not None:
+        if self.problem.cluster.devices_interfere:
             return self._shared_timeline(layouts)
         finished: dict[str, float] = {}
         device_free: dict[int, float] = {}
@@ -171,9 +172,9 @@ class Evaluator:
         return tuple(entries)
 
     def _shared_timeline(self, layouts: dict[str, Layout]) -> tuple[TimelineEntry, ...]:
-        """The same order of calls on devices that share a node's cores: an event simulation in
+        """The same order of calls on devices that slow each other: an event simulation in
         which every running call progresses at `Cluster.speed` of the calls running beside it.
-        `seconds` are full-speed seconds (a calibration divides out each probe's own sharing),
+        `seconds` are full-speed seconds (a calibration divides out each probe's own slowdown),
         so a call alone on few enough devices takes exactly them."""
         cluster, calls = self.problem.cluster, self.calls(layouts)
         by_key = {call.key: call for call in calls}
