@@ -27,9 +27,16 @@ def test_profile_plan_calibrates_the_search_and_a_run_trains_on_the_searched_pla
          "--work-dir", str(tmp_path / "probes")],
         env=cli_env, capture_output=True, text=True, timeout=600)
     assert profiled.returncode == 0, profiled.stderr[-3000:]
-    # the three probes ran (one worker, both data-parallel, tensor-parallel) and were fitted
-    for probe in ("*:d1@0", "d2", "d1t2"):
+    # the three probes ran (one worker, both data-parallel, tensor-parallel) and were fitted,
+    # and the side-by-side one (the reference's inference beside the actor's forward sent
+    # ahead) gave the contention between the two workers
+    side_by_side = ("actor_gen:d1t1p1@0,ref_inf:d1t1p1@1,rew_inf:d1t1p1@0,"
+                    "actor_train:d1t1p1@0")
+    for probe in ("*:d1@0", "d2", "d1t2", side_by_side):
         assert f"| `{probe}` | step |" in profiled.stdout
+    assert f"| `{side_by_side}` | actor_train/forward | d1t1p1 |" in profiled.stdout
+    assert re.search(r"^contention [0-9.]+: with k of a machine's workers busy", profiled.stdout,
+                     re.MULTILINE), profiled.stdout
     for mfc in ("actor_gen", "rew_inf", "actor_train"):
         assert re.search(rf"^  {mfc} +scale [0-9.]+, offset -?[0-9.]+ s, t2 ", profiled.stdout,
                          re.MULTILINE), profiled.stdout
