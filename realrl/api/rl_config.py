@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from realrl.api.config import help_field
 
 
+class GenerationBackend(str, enum.Enum):
+    realrl = "realrl"
+    vllm = "vllm"
+
+
 @dataclass
 class GenerationHyperparameters:
     max_new_tokens: int = help_field(16, "Most tokens generated per response.")
@@ -34,6 +39,22 @@ class GenerationHyperparameters:
         "batch-size bucket) stays allocated between calls. false: eager or compiled steps "
         "launched from Python every step. No effect on CPU.",
     )
+    backend: GenerationBackend = help_field(
+        GenerationBackend.realrl,
+        "realrl: realrl's own sampler (realrl.models.generation). vllm: a vLLM "
+        "engine on the actor's GPU, asleep while training, the trainer's weights pushed into it "
+        "by CUDA IPC after every train step (realrl.models.vllm_generation; written against "
+        "vLLM 0.33.0, `pip install 'realrl[gpu]'`). NOT YET RUN: no GPU with vLLM has been "
+        "available, so vllm has never generated a token here. Needs CUDA workers and, for the "
+        "generating MFC, tensor-parallel size 1; refuses rollout.mode=async, episodes and "
+        "LoRA. gen.compile and gen.cuda_graphs do not apply to it.",
+    )
+    vllm_gpu_memory_utilization: float = help_field(
+        0.3,
+        "gen.backend=vllm: fraction of the GPU's memory the vLLM engine takes for its weights, "
+        "activations and KV cache while awake (vLLM's gpu_memory_utilization); the trainer's "
+        "weights, gradients and optimizer state stay beside it.",
+    )
 
     def validate(self, prefix: str) -> list[str]:
         problems = []
@@ -53,7 +74,36 @@ class GenerationHyperparameters:
             problems.append(f"`{prefix}.top_p={self.top_p}` must be in (0, 1].")
         if self.top_k < 0:
             problems.append(f"`{prefix}.top_k={self.top_k}` must be >= 0.")
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            problems.append(
+                f"`{prefix}.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}` "
+                "must be in (0, 1); try 0.3.")
         return problems
+
+
+def vllm_config_problems(prefix: str, generation: GenerationHyperparameters, *,
+                         async_rollout: bool, episodes: bool, lora_key: str,
+                         lora_rank: int) -> list[str]:
+    """What `gen.backend=vllm` does not run, each with the key, the value and the fix (none for
+    the realrl backend). `lora_key`/`lora_rank`: the generating role's `<role>.lora.rank`.
+    Launch-time problems (vllm not installed, CPU workers, tensor parallelism) are
+    `realrl.launcher.plan.vllm_launch_problems`."""
+    if generation.backend != GenerationBackend.vllm:
+        return []
+    key = f"`{prefix}.backend=vllm`"
+    problems = []
+    if async_rollout:
+        problems.append(f"{key} generates each request whole, and `rollout.mode=async` "
+                        "interrupts generation for new weights (rollout.decode_steps_per_chunk), "
+                        f"which only the realrl backend does: set {prefix}.backend=realrl or "
+                        "rollout.mode=sync.")
+    if episodes:
+        problems.append(f"{key} does not run multi-turn episodes (episode.name): set "
+                        f"{prefix}.backend=realrl.")
+    if lora_rank > 0:
+        problems.append(f"{key} pushes base weights only, and `{lora_key}={lora_rank}` trains "
+                        f"adapters: set {prefix}.backend=realrl or {lora_key}=0.")
+    return problems
 
 
 class KLEstimator(str, enum.Enum):

@@ -25,6 +25,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,6 +120,13 @@ class TorchEngine:
         # `nan_policy` (the worker sets the run's), and the optimizer steps it skipped.
         self.nan_policy = NanPolicy.stop
         self.skipped_steps = 0
+        # Optimizer steps that updated the weights: a fused step need not bump a tensor's
+        # `_version`, so whoever caches a copy of the weights (`realrl.models.vllm_generation`)
+        # reads this count too.
+        self.optimizer_steps_taken = 0
+        # `gen.backend=vllm`: the vLLM engine colocated with this shard, built by its first
+        # generate call (`realrl.interfaces.common.generate_with_backend`).
+        self.vllm_generator: Any = None
         # Gradients, optimizer and LR schedule of a trainable engine (None when frozen).
         self.backend: OptimizerBackend | None = None
         if optimizer_config is None:
@@ -253,6 +261,7 @@ class TorchEngine:
                                       skip_non_finite=True)
         if math.isfinite(grad_norm):
             self.lr_scheduler.step()
+            self.optimizer_steps_taken += 1
         else:  # as in Megatron, a skipped step does not advance the learning-rate schedule
             self._non_finite_gradient_norm(grad_norm, bad_losses, len(microbatches))
         totals["grad_norm"] = float(grad_norm)

@@ -33,7 +33,7 @@ from realrl.api.experiment import (
 )
 from realrl.api.registry import register_experiment
 from realrl.api.reward_config import RewardConfig, RewardSource
-from realrl.api.rl_config import GenerationHyperparameters
+from realrl.api.rl_config import GenerationHyperparameters, vllm_config_problems
 from realrl.experiments.reward_graph import reward_mfcs, reward_roles
 from realrl.interfaces.configs import GenerationConfig
 
@@ -93,6 +93,9 @@ class GenerationExperimentConfig(BaseExperimentConfig):
 
     def validate(self) -> list[str]:
         problems = super().validate() + self.dataset.validate("dataset") + self.gen.validate("gen")
+        problems += vllm_config_problems("gen", self.gen, async_rollout=self.rollout.is_async,
+                                         episodes=False, lora_key="model.lora.rank",
+                                         lora_rank=self.model.lora.rank or 0)
         if self.n_samples < 1:
             problems.append(f"`n_samples={self.n_samples}` must be >= 1.")
         if self.reward.sources:

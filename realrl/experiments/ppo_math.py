@@ -44,7 +44,11 @@ from realrl.api.experiment import (
 )
 from realrl.api.registry import register_experiment
 from realrl.api.reward_config import RewardConfig, RewardSource
-from realrl.api.rl_config import GenerationHyperparameters, PPOHyperparameters
+from realrl.api.rl_config import (
+    GenerationHyperparameters,
+    PPOHyperparameters,
+    vllm_config_problems,
+)
 from realrl.experiments.reward_graph import (
     ScoredSequences,
     reward_mfcs,
@@ -185,6 +189,10 @@ class PPOMathConfig(BaseExperimentConfig):
         problems += self._lora_problems()
         problems += self.dataset.validate("dataset") + self.gen.validate("gen")
         problems += self.ppo.validate("ppo") + self.reward.validate("reward")
+        problems += vllm_config_problems(
+            "gen", self.gen, async_rollout=self.rollout.is_async,
+            episodes=self._actor_config().episode.enabled, lora_key="actor.lora.rank",
+            lora_rank=self.actor.lora.rank or 0)
         problems += self.actor.optimizer.validate("actor.optimizer")
         problems += self.critic.optimizer.validate("critic.optimizer")
         for name in ("actor_gen", "rew_inf", "rm_inf", "remote_inf", "reward_sum", "ref_inf",

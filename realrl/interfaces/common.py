@@ -22,8 +22,10 @@ from realrl.algo.distributed_stats import all_reduce_sum
 from realrl.algo.layout import prediction_rows
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
-from realrl.api.rl_config import GenerationHyperparameters
+from realrl.api.rl_config import GenerationBackend, GenerationHyperparameters
+from realrl.models.generation import generate
 from realrl.models.sampling import GenerationConfig as SamplingConfig
+from realrl.models.sampling import GenerationOutput
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,27 @@ def sampling_config(hyperparameters: GenerationHyperparameters, n: int, engine) 
         compile=hyperparameters.compile,
         cuda_graphs=hyperparameters.cuda_graphs,
     )
+
+
+def generate_with_backend(engine, hyperparameters: GenerationHyperparameters,
+                          packed_prompts: torch.Tensor, prompt_cu_seqlens: torch.Tensor,
+                          config: SamplingConfig) -> GenerationOutput:
+    """`realrl.models.generation.generate` on the engine's module, or with `gen.backend=vllm`
+    the vLLM engine colocated with it (`realrl.models.vllm_generation`: built on the first
+    call, one per model shard, kept on the engine), which returns the same output."""
+    if hyperparameters.backend != GenerationBackend.vllm:
+        return generate(engine.module, packed_prompts, prompt_cu_seqlens, config,
+                        engine.generator)
+    from realrl.models.vllm_generation import VLLMGenerator
+
+    if engine.vllm_generator is None:
+        # A trained model's weights change before every call: its engine drops them asleep.
+        sleep_level = 2 if engine.optimizer is not None else 1
+        engine.vllm_generator = VLLMGenerator(hyperparameters.vllm_gpu_memory_utilization,
+                                              sleep_level)
+    return engine.vllm_generator.generate(engine.module, engine.optimizer_steps_taken,
+                                          packed_prompts, prompt_cu_seqlens, config,
+                                          engine.generator)
 
 
 def optimizer_step_stats(step_stats: list[dict]) -> dict[str, float]:

@@ -17,9 +17,13 @@ import torch
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
-from realrl.interfaces.common import require_engine, sampling_config, unsupported_call
+from realrl.interfaces.common import (
+    generate_with_backend,
+    require_engine,
+    sampling_config,
+    unsupported_call,
+)
 from realrl.interfaces.configs import GenerationConfig
-from realrl.models.generation import generate
 
 
 class GenerationInterface:
@@ -36,12 +40,12 @@ class GenerationInterface:
         engine = require_engine(engine, "generation", "generate")
         n = self.config.n_samples
         started = time.perf_counter()
-        output = generate(
-            engine.module,
+        output = generate_with_backend(
+            engine,
+            self.config.generation,
             data.data["packed_prompts"],
             data.cu_seqlens("packed_prompts"),
             sampling_config(self.config.generation, n, engine),
-            engine.generator,
         )
         elapsed_s = time.perf_counter() - started
         seq_lens = (output.cu_seqlens[1:] - output.cu_seqlens[:-1]).long().cpu()  # [num_seqs]

@@ -35,6 +35,7 @@ from realrl.interfaces.base import MFCResult
 from realrl.interfaces.chunked_generation import ChunkedGenerations, ChunkRequest
 from realrl.interfaces.common import (
     DistributedMeans,
+    generate_with_backend,
     keeps_forward,
     loss_mask_from_prompt_mask,
     optimizer_step_stats,
@@ -48,7 +49,6 @@ from realrl.interfaces.common import (
 )
 from realrl.interfaces.configs import PPOActorConfig
 from realrl.interfaces.ppo_batch import PPOTrainingState, prepare_ppo_batch
-from realrl.models.generation import generate
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +93,12 @@ class PPOActorInterface:
         if config.episode.enabled:
             return self._episode_rollout(engine, data)
         started = time.perf_counter()
-        output = generate(
-            engine.module,
+        output = generate_with_backend(
+            engine,
+            config.generation,
             data.data["packed_prompts"],
             data.cu_seqlens("packed_prompts"),
             sampling_config(config.generation, config.generation_size, engine),
-            engine.generator,
         )
         return self._rollout_result(data, output, time.perf_counter() - started)
 

@@ -7,6 +7,7 @@ Everything a run needs is decided here, in the launcher process, before any proc
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import logging
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from realrl.api.config import BaseExperimentConfig, ConfigError, LaunchMode
 from realrl.api.dfg import DataflowGraph, MFCKind
 from realrl.api.experiment import ExperimentSpec, ModelKind
 from realrl.api.lora import lora_plan_problems
+from realrl.api.rl_config import GenerationBackend, GenerationHyperparameters
 from realrl.plan.choose import cached_search, launch_problem
 from realrl.plan.report import describe as describe_search
 
@@ -242,6 +244,36 @@ def sequence_parallel_problems(
     return problems
 
 
+def vllm_launch_problems(graph: DataflowGraph, allocations: dict, cpu_workers: bool,
+                         vllm_found: bool) -> list[str]:
+    """`gen.backend=vllm` (`realrl.models.vllm_generation`) on a generating MFC needs the vllm
+    package (the `gpu` extra), CUDA workers, and tensor-parallel size 1 for that MFC."""
+    names = [name for name, mfc in graph.mfcs.items()
+             if isinstance(generation := getattr(mfc.interface_config, "generation", None),
+                           GenerationHyperparameters)
+             and generation.backend == GenerationBackend.vllm]
+    if not names:
+        return []
+    problems = []
+    if not vllm_found:
+        problems.append("`gen.backend=vllm`, and vllm is not importable here: install it with "
+                        "`pip install 'realrl[gpu]'` (realrl was written against vllm==0.33.0) "
+                        "or set gen.backend=realrl")
+    if cpu_workers:
+        problems.append("`gen.backend=vllm` needs CUDA workers, and the workers compute on CPU: "
+                        "set gen.backend=realrl")
+    for name in names:
+        strategy = allocations[name].strategy
+        if strategy.tensor > 1:
+            size = len(allocations[name].mesh.ranks)
+            problems.append(
+                f"`gen.backend=vllm`: MFC `{name}` has layout {strategy} (tensor-parallel size "
+                f"{strategy.tensor}), and realrl's vLLM engine runs tensor-parallel size 1 only: "
+                f"give it a layout without tensor parallelism in `allocation_mode` (e.g. "
+                f"'{name}:d{size}' for its {size} devices) or set gen.backend=realrl")
+    return problems
+
+
 def searched_allocation_mode(config: BaseExperimentConfig, spec: ExperimentSpec,
                              graph: DataflowGraph) -> tuple[str, str]:
     """``allocation_mode=search``: the fastest predicted plan's allocation_mode string and
@@ -302,6 +334,8 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
         problems += pipeline_problems(graph, allocations, _overlap_setting(config))
     problems += async_rollout_problems(config, spec, graph, allocations)
     problems += sequence_parallel_problems(spec, graph, allocations, workers_without_gpus(config))
+    problems += vllm_launch_problems(graph, allocations, workers_without_gpus(config),
+                                     importlib.util.find_spec("vllm") is not None)
     problems += lora_plan_problems(spec, graph, allocations)
     problems += logged_key_problems(config, graph)
     if problems:
