@@ -164,6 +164,15 @@ class ModelWorker:
         while self.pending_sends:
             self.pending_sends.pop(0).wait()
 
+    def close_generators(self) -> None:
+        """Stop the vLLM engines (`gen.backend=vllm`) of the hosted models: each runs its engine
+        core in a child process of this worker, which vLLM shuts down once its `LLM` is
+        dropped, and keeps its config in a temporary directory."""
+        for hosted in self.models.values():
+            if hosted.engine.vllm_generator is not None:
+                hosted.engine.vllm_generator.close()
+                hosted.engine.vllm_generator = None
+
     def _handle(self, message: Message) -> Message:
         handler = {
             "mfc": self._run_mfc,
@@ -326,6 +335,7 @@ def serve(rendezvous: Rendezvous, rank: int, world_size: int) -> None:
                 mfcs_run.add(call)
             heap.between_requests(warmed_up=first_run)
     finally:
+        worker.close_generators()
         heap.close()
         heartbeat.close()
         server.close()

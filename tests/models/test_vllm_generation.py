@@ -480,3 +480,25 @@ def test_vllm_generates_realrls_greedy_tokens_and_logprobs_and_takes_pushed_weig
         assert_greedy_equal_until_a_near_tie(model, got, want)
     finally:
         engine.close()
+
+
+def test_a_worker_closes_its_vllm_engines_when_it_exits(tmp_path):
+    # What `realrl.workers.model_worker.serve`'s exit path does: every hosted model's engine
+    # drops its vLLM generator, which removes the engine's config directory.
+    from types import SimpleNamespace
+
+    from realrl.models.vllm_generation import VLLMGenerator
+    from realrl.workers.model_worker import HostedModel, ModelWorker
+
+    generator = VLLMGenerator(0.3, sleep_level=2)
+    config_dir = tmp_path / "realrl-vllm-config"
+    config_dir.mkdir()
+    generator._model_directory = str(config_dir)  # as `_build` leaves it
+    with_vllm = SimpleNamespace(vllm_generator=generator)
+    without = SimpleNamespace(vllm_generator=None)
+    worker = ModelWorker.__new__(ModelWorker)
+    worker.models = {"actor": HostedModel("actor", with_vllm),  # type: ignore[arg-type]
+                     "ref": HostedModel("ref", without)}  # type: ignore[arg-type]
+    worker.close_generators()
+    assert with_vllm.vllm_generator is None and without.vllm_generator is None
+    assert not config_dir.exists() and generator._llm is None
