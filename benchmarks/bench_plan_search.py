@@ -171,6 +171,12 @@ def predicted(args: argparse.Namespace, experiment: str,
     return plan_result.step_seconds, unshared_s, resolved
 
 
+def measured_plan(row: dict) -> str:
+    """The allocation a row's runs measured: a search is priced as the plan it chose then (a
+    search now, with another calibration, may choose another)."""
+    return row["resolved"] if row["plan"] == "search" else row["plan"]
+
+
 def trial_metrics(args: argparse.Namespace, trial: str) -> Path:
     return args.work_dir / "runs" / "plan-search" / trial / "metrics.jsonl"
 
@@ -218,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         results = json.loads((args.work_dir / "results.json").read_text())
         for row in results:
             row["predicted_s"], row["predicted_unshared_s"], _ = predicted(
-                args, row["experiment"], row["plan"])
+                args, row["experiment"], measured_plan(row))
     for experiment in args.experiments.split(",") if not args.reprice else ():
         if not args.plans and (experiment, args.workers) not in PLANS:
             raise SystemExit(f"no default plans for {experiment} on {args.workers} workers; "
@@ -231,7 +237,9 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"experiment": experiment, "plan": plan, "resolved": resolved,
                          "predicted_s": prediction, "runs_s": [], "loads": [], "steals": [],
                          "trials": [], "predicted_unshared_s": unshared_s})
-        probe_modes = {predicted(args, experiment, probe)[2] for probe in probes}
+        probe_problem, _ = problem_of(args, experiment, "auto", calibrated=False)
+        probe_modes = {resolved_mode(profile_plan.probe_layouts(probe_problem, probe))
+                       for probe in probes}
         for row in rows:
             row["probe"] = row["resolved"] in probe_modes
         for repeat in range(args.repeats):  # in rounds, as the probes
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
             for row in rows:
                 row["predicted_profile_s"] = row["predicted_s"]
                 row["predicted_s"], row["predicted_unshared_s"], _ = predicted(
-                    args, experiment, row["plan"] if row["plan"] != "search" else row["resolved"])
+                    args, experiment, measured_plan(row))
                 if row["plan"] == "search":
                     row["searched_again_s"], _, row["searched_again"] = predicted(
                         args, experiment, "search")
@@ -267,7 +275,7 @@ def table(rows: list[dict]) -> str:
     shared = any(r.get("predicted_unshared_s") is not None for r in rows)
     refitted = any("predicted_profile_s" in r for r in rows)
     runs = " (median of runs)" if any(len(r.get("runs_s", [])) > 1 for r in rows) else ""
-    steal = all(r.get("steals") for r in rows)
+    steal = all(r.get("steals") and None not in r["steals"] for r in rows)
     header = (f"| allocation_mode | resolved | predicted s | measured s{runs} | error |"
               + (" from the profile's runs alone: predicted s | error |" if refitted else "")
               + (" steal |" if steal else " load |")

@@ -10,7 +10,7 @@ where two of the graph's calls can overlap, the side-by-side probe (its roles al
 the two halves of the workers, `realrl.plan.contention`). Each MFC's median seconds over the
 steps after the first (`timing/<mfc>`, with the forward a train MFC sends ahead; with
 ``--repeats``, the median over that many runs of each probe, run round by round) are fitted
-per MFC (`realrl.plan.calibration`), the side-by-side probe's calls give the contention
+per MFC (`realrl.plan.calibration`), the side-by-side probe's step gives the contention
 between workers, and the fit is cached, keyed by the workload, the cluster and this machine's
 CPU profile; `allocation_mode=search` with the same keys then prices plans with it. Prints,
 per probe and call, the prediction before and after the fit against the measurement. Runs go
@@ -232,16 +232,19 @@ def profile(args: argparse.Namespace, config: Any, out: TextIO) -> tuple[Path, l
         if args.work_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
     path = save_calibration(problem.works, problem.cluster, calibration)
-    out.write(report(problem, calibration, allocations, measured, args.repeats) +
+    out.write(report(problem, calibration, allocations, measured, args.repeats,
+                     side_by_side is not None) +
               f"\ncalibration written to {path}; allocation_mode=search with the same keys uses "
               "it\n")
     return path, allocations
 
 
 def report(problem: SearchProblem, calibration: Calibration, allocations: list[str],
-           measured: list[tuple[dict[str, float], float]], repeats: int) -> str:
+           measured: list[tuple[dict[str, float], float]], repeats: int,
+           contention_fitted: bool) -> str:
     """Per probe and call: the model alone, the measurement, the calibrated model (each call
-    as the calibrated step simulates it, beside what runs with it); then the fit."""
+    as the calibrated step simulates it, beside what runs with it); then the fit, with the
+    contention when a side-by-side probe ran."""
     calibrated = Evaluator(dataclasses.replace(with_contention(problem, calibration.contention),
                                                calibration=calibration))
     uncalibrated = Evaluator(problem)
@@ -268,7 +271,7 @@ def report(problem: SearchProblem, calibration: Calibration, allocations: list[s
         tensor = "".join(f", t{t} {o:.4f}" for t, o in correction.tensor_offsets_s)
         lines.append(f"  {name:<14} scale {correction.scale:.3f}, offset {correction.offset_s:.4f}"
                      f" s{tensor}")
-    if len(allocations) > len(probe_allocations(problem)):
+    if contention_fitted:
         lines.append(f"contention {calibration.contention:.3f}: with k of a machine's workers "
                      f"busy, each call runs 1 + {calibration.contention:.3f} x (k - 1) times "
                      "slower (the side-by-side probe)")

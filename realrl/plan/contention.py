@@ -72,9 +72,10 @@ def fit_contention(problem: SearchProblem, fit_corrections: Callable[[Cluster], 
     the step is what the search minimises."""
     best: tuple[float, Calibration] | None = None
     for contention in CONTENTION_GRID:
-        cluster = dataclasses.replace(problem.cluster, contention=contention)
-        calibration = dataclasses.replace(fit_corrections(cluster), contention=contention)
-        step_s = Evaluator(dataclasses.replace(problem, cluster=cluster, calibration=calibration)
+        contended = with_contention(problem, contention)
+        calibration = dataclasses.replace(fit_corrections(contended.cluster),
+                                          contention=contention)
+        step_s = Evaluator(dataclasses.replace(contended, calibration=calibration)
                            ).plan(layouts).step_seconds
         error = abs(math.log(step_s / measured_step_s))
         if best is None or error < best[0] - 1e-12:

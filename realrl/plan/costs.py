@@ -137,7 +137,7 @@ class Cluster:
     # the master on one machine's caches, memory bandwidth and spare core): with ``k`` busy,
     # ``k`` capped at the devices that run at once, each runs ``1 + contention x (k - 1)``
     # times slower. 0 for accelerators; fitted to a side-by-side probe run on CPU
-    # (`realrl.plan.calibration.fit_contention`).
+    # (`realrl.plan.contention.fit_contention`).
     contention: float = 0.0
 
     @property
