@@ -14,6 +14,7 @@ from baseline_loop import group_advantages, response_mask  # noqa: E402
 from bench_setup import (  # noqa: E402
     ModelShape,
     ProcessTreeMemory,
+    StealMeter,
     arithmetic_reward,
     median_and_spread,
     read_prompts,
@@ -80,3 +81,16 @@ def test_process_tree_memory_sums_the_peaks_of_parent_and_children():
 
 def test_median_and_spread_reports_middle_and_range():
     assert median_and_spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+
+
+
+def test_steal_meter_is_the_stolen_share_of_the_cpu_time_the_block_spanned(monkeypatch):
+    import bench_setup
+
+    steal, total = bench_setup._cpu_ticks()  # this machine's /proc/stat, read as it is
+    assert 0 <= steal <= total
+    ticks = iter([(100, 1000), (130, 1300)])  # (steal, total) jiffies before and after
+    monkeypatch.setattr(bench_setup, "_cpu_ticks", lambda: next(ticks))
+    with StealMeter() as meter:
+        pass
+    assert meter.fraction == 30 / 300
