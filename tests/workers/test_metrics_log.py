@@ -76,12 +76,16 @@ def test_tensorboard_gets_scalars_and_sample_text(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logger = MetricsLogger(tmp_path, settings(1, tensorboard=True), first_step=0)
-    logger.log(1, {"reward/task_mean": 0.5})
+    logger = MetricsLogger(tmp_path, settings(2, tensorboard=True), first_step=0)
+    logger.log(1, {"reward/task_mean": 0.5, "timing/step_s": 2.0})
     logger.log_samples(1, [{"query_id": "q0", "prompt": "1+1=", "response": "2", "reward": 1.0}])
+    logger.log(2, {"reward/task_mean": 0.75, "timing/step_s": 1.5})
     logger.finish()
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
-    assert [event.value for event in events.Scalars("reward/task_mean")] == [0.5]
+    assert [(event.step, event.value) for event in events.Scalars("reward/task_mean")] == [
+        (1, 0.5), (2, 0.75)]
+    assert [(event.step, event.value) for event in events.Scalars("timing/step_s")] == [
+        (1, 2.0), (2, 1.5)]
     (text,) = events.Tensors("samples/text_summary")
     assert "1+1=" in text.tensor_proto.string_val[0].decode()
 
