@@ -86,6 +86,15 @@ def test_tensorboard_gets_scalars_and_sample_text(tmp_path):
         (1, 0.5), (2, 0.75)]
     assert [(event.step, event.value) for event in events.Scalars("timing/step_s")] == [
         (1, 2.0), (2, 1.5)]
+    # One event a step carries all its scalars (an event per metric cost the master 5x).
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    (events_file,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    scalar_events = [(event.step, sorted(value.tag for value in event.summary.value))
+                     for event in LegacyEventFileLoader(str(events_file)).Load()
+                     if any(value.HasField("simple_value") for value in event.summary.value)]
+    assert scalar_events == [(1, ["reward/task_mean", "timing/step_s"]),
+                             (2, ["reward/task_mean", "timing/step_s"])]
     (text,) = events.Tensors("samples/text_summary")
     assert "1+1=" in text.tensor_proto.string_val[0].decode()
 
