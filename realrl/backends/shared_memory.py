@@ -211,9 +211,10 @@ class SharedMemoryBroadcast:
         """`numel` elements of `dtype` at the start of the sender's memory, on every rank."""
         return torch.frombuffer(self.memory, dtype=dtype, count=numel)
 
-    def publish(self) -> None:
-        """Barrier: the sender has written the buffer."""
-        dist.barrier(group=self.group)
+    def publish(self, async_op: bool = False):
+        """Barrier: the sender has written the buffer; with `async_op` the sender gets a handle
+        instead of waiting for the receivers to arrive (they may come much later)."""
+        return dist.barrier(group=self.group, async_op=async_op)
 
     def release(self, async_op: bool = False):
         """Barrier: every receiver is done reading; with `async_op` the sender gets a handle to

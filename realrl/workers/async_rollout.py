@@ -243,13 +243,15 @@ class AsyncRollout:
 
     async def publish_weights(self, result: StepResult) -> None:
         """After a train step: start sending the new weights to the rollout layouts (they take
-        them between two requests), then admit the requests the new version allows.
+        them between two chunks), then admit the requests the new version allows.
 
-        `refresh` returns once it holds the rollout ranks' locks, so a request admitted now
-        runs after the transfer, on the new weights, and its tokens' versions (from
-        `Master.layout_version`, set there) say so. The trainer does not wait for the transfer
-        itself: the senders' locks are free once their broadcast has started, a failed
-        transfer is raised by the next refresh, and checkpoints drain first (`broadcast`)."""
+        `refresh` returns once the transfer is queued on the rollout ranks' locks, so a request
+        admitted now runs after it, on the new weights, and its tokens' versions (from
+        `Master.layout_version`, set when the rollout ranks take them) say so. The trainer
+        waits neither for the transfer nor, between disjoint CPU layouts, for the chunk in
+        flight on the rollout ranks: the sender's part ends once its weights are in its
+        shared-memory buffer (a split refresh), a failed transfer is raised by the next
+        request on the failed rank, and checkpoints drain first (`broadcast`)."""
         started = time.perf_counter()
         await self.master.refresh(self.rollout_mfcs, result)
         result.stats["async/weight_update_wait_s"] = time.perf_counter() - started

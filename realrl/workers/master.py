@@ -31,7 +31,7 @@ from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, MFCKind, ParamReallocHook
 from realrl.api.errors import UserFacingError
 from realrl.workers.chunked_generation import ChunkSettings, run_in_chunks, runs_in_chunks
-from realrl.workers.realloc import transfer_ranks
+from realrl.workers.realloc import split_transfer_ranks, transfer_ranks
 from realrl.workers.rollout_filter import apply_rollout_filter, discarded_by_filter
 from realrl.workers.run_plan import LayoutKey, RunPlan
 from realrl.workers.transport import AsyncClient
@@ -74,6 +74,13 @@ class Master:
         # Their failures, recorded before the failed rank's lock is given back, so that the
         # next request on that rank stops instead of running on weights that never arrived.
         self._background_errors: list[Exception] = []
+        # Split refreshes (`refresh`): layouts whose target side is queued for its locks, with
+        # the version they are getting (not stale meanwhile, though their calls still get the
+        # old weights); the target sides' tasks, by source layout; and per (source, target),
+        # whether the sender's part needs no receiver (its reply to the last transfer).
+        self._delivering: dict[LayoutKey, int] = {}
+        self._receiving: dict[LayoutKey, list[asyncio.Task]] = {}
+        self._sends_alone: dict[tuple[LayoutKey, LayoutKey], bool] = {}
         # Set by an asynchronous run: generate MFCs that record per-token weight versions run
         # in chunks, new weights arriving between two (`realrl.workers.chunked_generation`).
         self.generation_chunks: ChunkSettings | None = None
@@ -104,30 +111,88 @@ class Master:
         """Start bringing the layouts of `names` to their roles' newest weights.
 
         A pipelined run calls this while the train ranks are idle, so that the next rollout
-        does not queue its refresh behind the next train call on the per-rank locks. It returns
-        once every rank's lock is taken; each rank's lock is given back as soon as that rank has
-        done its part, and a sender's part ends when its last broadcast has started
-        (`post_send`), so the next train call need not wait for the receivers. The receivers'
-        locks are held until they have the weights, so a rollout on them waits for those.
+        does not queue its refresh behind the next train call on the per-rank locks; an
+        asynchronous run after every train step. A sender only starts its last broadcast
+        (`post_send`), and each rank's lock is given back as soon as that rank has done its
+        part. This returns once every rank's lock is taken, except for a *split* refresh
+        (`_splits`): then it returns once the source side's locks are taken and the target
+        side is queued for its locks, which it takes once the call running there (a generation
+        chunk) is done; the layout holds the new version from then on, so that a chunk running
+        before records the old version for its tokens.
         """
         for mfc in self.plan.mfcs:
-            if mfc.name in names and self.is_stale(mfc):
-                owner, layout = self.plan.owner_layout(mfc.model_role), self.plan.layout_of(mfc.name)
-                ranks = sorted(set(transfer_ranks(owner, layout)))
-                held: list[int] = []
-                try:
-                    for rank in ranks:
-                        await self.rank_locks[rank].acquire()
-                        held.append(rank)
-                    self._raise_background_failure()
-                except BaseException:
-                    for rank in held:
-                        self.rank_locks[rank].release()
-                    raise
-                self.layout_version[layout] = self.role_version[mfc.model_role]
+            if mfc.name not in names or not self.plan.has_weights(mfc):
+                continue
+            owner, layout = self.plan.owner_layout(mfc.model_role), self.plan.layout_of(mfc.name)
+            version = self.role_version[mfc.model_role]
+            if max(self.layout_version[layout], self._delivering.get(layout, -1)) < version:
+                sides = self._splits(owner, layout, names)
+                if sides is None:
+                    ranks = sorted(set(transfer_ranks(owner, layout)))
+                    await self._acquire(ranks)
+                    self._deliver(layout, version)
+                    self._background.append(asyncio.create_task(
+                        self._transfer(owner, layout, 1.0, result, f"realloc/{mfc.name}",
+                                       release_locks=True)))
+                    continue
+                # The sender's part must not wait for the receivers of an earlier one (their
+                # release of its buffer): they may be queued behind a call that needs its lock.
+                earlier = self._receiving.pop(owner, [])
+                if earlier:
+                    await asyncio.wait(earlier)
+                await self._acquire(sides[0])
+                self._delivering[layout] = version
                 self._background.append(asyncio.create_task(
                     self._transfer(owner, layout, 1.0, result, f"realloc/{mfc.name}",
-                                   release_locks=True)))
+                                   release_locks=True, ranks=sides[0])))
+                receiving = asyncio.create_task(
+                    self._receive(owner, layout, sides[1], version, result, f"realloc/{mfc.name}"))
+                self._background.append(receiving)
+                self._receiving.setdefault(owner, []).append(receiving)
+                await asyncio.sleep(0)  # the target side queues for its locks now
+
+    def _splits(self, source: LayoutKey, target: LayoutKey,
+                names: list[str]) -> tuple[list[int], list[int]] | None:
+        """The two sides of a refresh source -> target whose sides are sent their requests
+        separately (`split_transfer_ranks`), or None. Only where no rank waits for the other
+        side: the layouts are disjoint, the sender has said that its part needs no receiver
+        (`sends_alone`, from the first refresh's reply: CPU, one bucket), and every transfer
+        from `source` is a refresh of a layout among `names`, none an EMA hook (no other
+        request to the sender can come while receivers are owed its buffer)."""
+        if not self._sends_alone.get((source, target), False):
+            return None
+        refreshed = {self.plan.layout_of(name) for name in names}
+        if any(src == source and (dst.role != source.role or dst not in refreshed)
+               for src, dst in self.plan.transfers()):
+            return None
+        return split_transfer_ranks(source, target)
+
+    async def _acquire(self, ranks: list[int], check: bool = True) -> None:
+        """Take the locks of `ranks` in order (all or, on a failure, none); with `check`, then
+        raise a background transfer's failure."""
+        held: list[int] = []
+        try:
+            for rank in ranks:
+                await self.rank_locks[rank].acquire()
+                held.append(rank)
+            if check:
+                self._raise_background_failure()
+        except BaseException:
+            for rank in held:
+                self.rank_locks[rank].release()
+            raise
+
+    async def _receive(self, source: LayoutKey, target: LayoutKey, ranks: list[int],
+                       version: int, result: StepResult, label: str) -> None:
+        """The target side of a split refresh: once its ranks are free, they take the weights."""
+        await self._acquire(ranks, check=False)  # a failure is for the caller's next request
+        self._deliver(target, version)
+        await self._transfer(source, target, 1.0, result, label, release_locks=True, ranks=ranks)
+
+    def _deliver(self, layout: LayoutKey, version: int) -> None:
+        """`layout` holds the weights of `version` for every call that takes its locks next."""
+        self.layout_version[layout] = version
+        self._delivering.pop(layout, None)
 
     async def _run_part(self, names: list[str], batch: SequenceSample,
                         more_prompts: Callable[[], SequenceSample] | None,
@@ -244,10 +309,15 @@ class Master:
         return sorted({self.producer_of[key] for key in keys if key in self.producer_of})
 
     def is_stale(self, mfc: MFCDef) -> bool:
-        """Whether `mfc`'s layout holds older weights than its role's newest."""
+        """Whether `mfc`'s layout holds older weights than its role's newest and is not
+        getting newer ones already: while a split refresh waits for the layout's locks, a call
+        on it runs on the weights it has (and records their version), so that no other transfer
+        reaches the sender while its receivers still owe it their part (`refresh`)."""
         if not self.plan.has_weights(mfc):
             return False
         layout = self.plan.layout_of(mfc.name)
+        if layout in self._delivering:
+            return False
         return self.layout_version[layout] < self.role_version[mfc.model_role]
 
     async def refresh_layout(self, mfc: MFCDef, result: StepResult) -> None:
@@ -326,10 +396,11 @@ class Master:
         self._raise_background_failure()
 
     async def _transfer(self, source: LayoutKey, target: LayoutKey, eta: float,
-                        result: StepResult, label: str, release_locks: bool = False) -> None:
-        """Run a transfer on every rank that takes part. With `release_locks` the caller holds
-        those ranks' locks, and each is released when its rank replies, and senders only
-        start their last broadcast."""
+                        result: StepResult, label: str, release_locks: bool = False,
+                        ranks: list[int] | None = None) -> None:
+        """Run a transfer on every rank that takes part (or on `ranks`, one side of it). With
+        `release_locks` the caller holds those ranks' locks, and each is released when its
+        rank replies, and senders only start their last broadcast."""
         started = time.perf_counter()
         header = {"source": vars(source) | {"ranks": list(source.ranks)},
                   "target": vars(target) | {"ranks": list(target.ranks)}, "eta": eta,
@@ -337,7 +408,9 @@ class Master:
 
         async def on_rank(rank: int) -> None:
             try:
-                await self.request(rank, Message("transfer", header), label, result.step)
+                reply = await self.request(rank, Message("transfer", header), label, result.step)
+                if "sends_alone" in reply.header:
+                    self._sends_alone[(source, target)] = reply.header["sends_alone"]
             except Exception as error:
                 if not release_locks:
                     raise
@@ -346,7 +419,8 @@ class Master:
                 if release_locks:
                     self.rank_locks[rank].release()
 
-        await asyncio.gather(*(on_rank(rank) for rank in transfer_ranks(source, target)))
+        ranks = transfer_ranks(source, target) if ranks is None else ranks
+        await asyncio.gather(*(on_rank(rank) for rank in ranks))
         result.timing[label] = result.timing.get(label, 0.0) + time.perf_counter() - started
 
     async def request(self, rank: int, message: Message, name: str | None = None,

@@ -252,14 +252,17 @@ class ModelWorker:
         for layout in (source, target):
             if layout in self.models:
                 self.models[layout].engine.onload()
-        transfer_parameters(
+        sends_alone = transfer_parameters(
             source_engine=self.models[source].engine if source in self.models else None,
             target_engine=self.models[target].engine if target in self.models else None,
             source=source, target=target, rank=self.rank, eta=message.header["eta"],
             groups=self.groups, plan=self.plan,
             pending=self.pending_sends if message.header.get("post_send") else None,
         )
-        return message.reply({"compute_s": time.perf_counter() - started})
+        reply = {"compute_s": time.perf_counter() - started}
+        if sends_alone is not None:  # the sender's: whether the master may split its refreshes
+            reply["sends_alone"] = sends_alone
+        return message.reply(reply)
 
     def _save(self, message: Message) -> Message:
         for hosted in self.models.values():

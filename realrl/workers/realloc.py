@@ -16,6 +16,10 @@ Who does what, in buckets of whole parameters, never through the disk:
   it between two barriers, instead of a gloo broadcast through sockets. A rank that also blends
   locally does so while the receivers read. The benchmark's PPO actor, 16 MB from its train
   rank to both generation ranks every step: 15-21 -> 10 ms (two processes, one thread each).
+  A posting sender (`pending`: CPU, it blends nothing) of a single bucket does not wait for
+  the receivers at all: it writes the buffer, starts the barriers and returns, so the master
+  may send the receivers their part later, once their generation chunk is done
+  (`split_transfer_ranks`, `Master.refresh`).
 Frozen data-parallel layouts on CPU share one copy of their weights when their ranks can map
 each other's shared memory (`share_replica_weights`); a transfer into one is then written by one
 rank only (`shared_writer`), and the others take part in the broadcast without copying.
@@ -139,6 +143,19 @@ def transfer_ranks(source: LayoutKey, target: LayoutKey) -> list[int]:
     if _needs_full_parameters(source, target):
         ranks |= {source_rank(source), *gather_group_ranks(source)}
     return sorted(ranks)
+
+
+def split_transfer_ranks(source: LayoutKey, target: LayoutKey) -> tuple[list[int], list[int]] | None:
+    """A transfer between disjoint layouts as its two sides, the ranks of `transfer_ranks` in
+    the source (the sender and the tp group it gathers from) and those in the target (the
+    receivers); None when a rank holds both layouts. A posting sender (CPU, `post_send`)
+    needs nobody on the other side to do its part, so the master sends each side its request
+    as soon as that side's ranks are free (`Master.refresh`)."""
+    if set(source.ranks) & set(target.ranks):
+        return None
+    ranks = transfer_ranks(source, target)
+    return ([rank for rank in ranks if rank in source.ranks],
+            [rank for rank in ranks if rank in target.ranks])
 
 
 # ---------------------------------------------------------------------- process groups
@@ -325,15 +342,18 @@ def _broadcast_bucket(
 ) -> dict[str, torch.Tensor]:
     """The bucket's full tensors on every rank of `group`, as views into a reused buffer: use
     them before the next bucket. With `shared`, the buffer is the sender's shared memory and
-    the caller must `release` it once this rank is done with the views. Without it, and with
-    `pending`, the broadcast is only started and its handle appended there: the buffer must not
-    be reused before it completes."""
+    the caller must `release` it once this rank is done with the views. With `pending`, the
+    sender only starts the broadcast (or in shared memory, the barrier that publishes the
+    buffer) and appends its handle there: it need not wait for any receiver, and the buffer
+    must not be written again before the handles complete."""
     numel = sum(shape.numel() for _, shape in bucket)
     flat = _flat_buffer(numel, dtype, device) if shared is None else shared.buffer(numel, dtype)
     if full is not None:
         torch.cat([full[name].reshape(-1) for name, _ in bucket], out=flat)
     if shared is not None:
-        shared.publish()
+        published = shared.publish(async_op=pending is not None)
+        if pending is not None:
+            pending.append(published)
     elif pending is None:
         dist.broadcast(flat, src=root, group=group)
     else:
@@ -404,22 +424,28 @@ def transfer_parameters(
     groups: ProcessGroups,
     plan: RunPlan,
     pending: list[dist.Work] | None = None,
-) -> None:
+) -> bool | None:
     """This rank's part of `target = eta * source + (1 - eta) * target` (see the module
     docstring); engines are None where this rank holds no shard of that layout.
 
     With `pending` (CPU only), a sender that blends nothing returns once its last bucket is
-    copied out and that broadcast started (in shared memory: published), and appends a handle
-    to `pending`: the receivers finish on their own, and the caller must wait for the handle
-    before the next transfer (which reuses the buffer). Its parameters may change meanwhile.
+    copied out and that broadcast started (in shared memory: published), and appends its
+    handles to `pending`: the receivers finish on their own, and the caller must wait for the
+    handles before the next transfer (which reuses the buffer). Its parameters may change
+    meanwhile. Returns, on the sender, whether its part waited for no receiver (it posted a
+    single bucket: with several, each bucket waits for the receivers to read the one before);
+    None on the other ranks.
     """
-    released = None  # a sender's handle on the receivers' last release of its buffer
+    # A sender's handles on its last broadcast (or publication) and on the receivers' last
+    # release of its buffer.
+    handles: list[dist.Work] = []
+    alone = False  # the sender's part waited for no receiver
     # Replicas sharing one copy of the weights: one rank writes it (the master's next request
     # to any of them waits for every rank's reply).
     writes = (target_engine is None or target_engine.shared_weights is None
               or rank == shared_writer(source, target))
     if _needs_full_parameters(source, target):
-        released = _send_full_parameters(
+        handles, alone = _send_full_parameters(
             source_engine, target_engine, source, target, rank, eta, groups, plan,
             posts=pending is not None, writes=writes,
         )
@@ -429,25 +455,27 @@ def transfer_parameters(
         sources = dict(source_engine.module.named_parameters())
         for name, _ in moving_parameter_shapes(target_engine.module):
             _blend(target_engine, name, targets[name], sources[name], eta)
-    if released is not None:
-        if pending is not None:
-            pending.append(released)
-        else:
-            released.wait()
+    if pending is not None:
+        pending.extend(handles)
+    else:
+        for handle in handles:
+            handle.wait()
+    return alone if rank == source_rank(source) else None
 
 
 def _send_full_parameters(source_engine, target_engine, source: LayoutKey, target: LayoutKey,
                           rank: int, eta: float, groups: ProcessGroups, plan: RunPlan, *,
-                          posts: bool, writes: bool) -> dist.Work | None:
+                          posts: bool, writes: bool) -> tuple[list[dist.Work], bool]:
     """Gather, broadcast and blend the full parameters, bucket by bucket, where this rank
-    gathers or receives (`transfer_parameters`); blend only if it `writes`. Returns the handle a
-    sender must wait on before its buffer is written again, if any."""
+    gathers or receives (`transfer_parameters`); blend only if it `writes`. Returns the handles
+    a sender must wait on before its buffer is written again, and whether it posted its one
+    bucket (so waited for no receiver)."""
     sender = source_rank(source)
     gathers = rank == sender or (tensor_size(source) > 1 and rank in gather_group_ranks(source))
     group_ranks = transfer_group_ranks(source, target)
     receives = rank != sender and rank in group_ranks
     if not (gathers or receives):
-        return None
+        return [], False
     gather_group = (
         groups.tensor_group(source, rank) if gathers and tensor_size(source) > 1 else None
     )
@@ -484,4 +512,4 @@ def _send_full_parameters(source_engine, target_engine, source: LayoutKey, targe
             _blend_full_into(target_engine, full, target, rank, eta)
         if shared is not None:  # this rank is done with the bucket's buffer
             released = shared.release(async_op=rank == sender)
-    return released if released is not None else (pending[0] if pending else None)
+    return pending + ([released] if released is not None else []), posts and len(buckets) == 1

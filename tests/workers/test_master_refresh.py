@@ -18,10 +18,11 @@ LAYOUTS = {"train": [1], "gen": [0], "ref": [1]}
 
 
 class FakeClient:
-    """Replies to every request; a "transfer" waits for `release` and then fails if asked."""
+    """Replies to every request; a "transfer" waits for `release` and then fails if asked.
+    With `sends_alone` set, a transfer's reply says so (as the sender's does)."""
 
-    def __init__(self, rank: int, fail_transfer: bool) -> None:
-        self.rank, self.fail_transfer = rank, fail_transfer
+    def __init__(self, rank: int, fail_transfer: bool, sends_alone: bool | None = None) -> None:
+        self.rank, self.fail_transfer, self.sends_alone = rank, fail_transfer, sends_alone
         self.release = asyncio.Event()
         self.kinds: list[str] = []
 
@@ -31,6 +32,8 @@ class FakeClient:
             await self.release.wait()
             if self.fail_transfer:
                 raise RuntimeError(f"worker {self.rank} died during the transfer")
+            if self.sends_alone is not None:
+                return message.reply({"sends_alone": self.sends_alone})
         return message.reply({})
 
 
@@ -88,5 +91,85 @@ def test_drain_reports_a_failed_transfer(tmp_path):
         master = await _refreshed_with_failure(tmp_path, failing_rank=1)
         with pytest.raises(RuntimeError, match="worker 1 died during the transfer"):
             await master.drain()
+
+    asyncio.run(scenario())
+
+
+def _split_master(tmp_path, ema: bool = False) -> tuple[Master, dict[int, FakeClient]]:
+    """Train on rank 1 (the sender, whose part needs no receiver), generate on rank 0; with
+    `ema`, the train call's EMA hook into the reference is a second transfer from the actor."""
+    plan = make_plan(tmp_path, LAYOUTS, eta=0.5, world=2)
+    if not ema:
+        train = next(mfc for mfc in plan.mfcs if mfc.name == "actor_train")
+        train.post_hooks = []
+    clients = {0: FakeClient(0, False), 1: FakeClient(1, False, sends_alone=True)}
+    for client in clients.values():
+        client.release.set()
+    master = Master(plan, clients)
+    return master, clients
+
+
+async def _train_and_refresh(master: Master) -> None:
+    master.role_version["actor"] += 1
+    master.layout_version[master.plan.owner_layout("actor")] += 1
+    await master.refresh(["actor_gen", "ref_inf"], StepResult(data=None))
+
+
+def test_a_split_refresh_frees_the_sender_while_a_chunk_holds_the_receiver(tmp_path):
+    async def scenario():
+        master, clients = _split_master(tmp_path)
+        gen = master.plan.layout_of("actor_gen")
+        await _train_and_refresh(master)  # the first refresh: together, learns `sends_alone`
+        await master.drain()
+        assert master.layout_version[gen] == 1 and clients[0].kinds == ["transfer"]
+        await master.rank_locks[0].acquire()  # a generation chunk runs on rank 0
+        await _train_and_refresh(master)  # returns with rank 0 still busy
+        await asyncio.sleep(0.01)
+        assert not master.rank_locks[1].locked()  # the sender has done its part: free to train
+        assert clients[1].kinds == ["transfer"] * 2 and clients[0].kinds == ["transfer"]
+        # Until rank 0 takes the weights its calls get the old ones, and no other transfer.
+        assert master.layout_version[gen] == 1
+        assert not master.is_stale(next(m for m in master.plan.mfcs if m.name == "actor_gen"))
+        master.rank_locks[0].release()  # the chunk is done: the receiver's part runs next
+        await master.drain()
+        assert clients[0].kinds == ["transfer"] * 2 and master.layout_version[gen] == 2
+        assert not any(lock.locked() for lock in master.rank_locks.values())
+
+    asyncio.run(scenario())
+
+
+def test_a_split_refresh_waits_for_the_earlier_receivers_before_the_sender_goes_again(tmp_path):
+    async def scenario():
+        master, clients = _split_master(tmp_path)
+        await _train_and_refresh(master)
+        await master.drain()
+        await master.rank_locks[0].acquire()  # rank 0 busy through two train steps
+        await _train_and_refresh(master)
+        second = asyncio.create_task(_train_and_refresh(master))
+        await asyncio.sleep(0.01)
+        # The sender would wait for rank 0's release of its buffer: it is not asked yet.
+        assert not second.done() and clients[1].kinds == ["transfer"] * 2
+        master.rank_locks[0].release()
+        await second
+        await master.drain()
+        assert clients[1].kinds == clients[0].kinds == ["transfer"] * 3
+        assert master.layout_version[master.plan.layout_of("actor_gen")] == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_refresh_is_not_split_when_another_transfer_leaves_the_sender(tmp_path):
+    async def scenario():
+        master, clients = _split_master(tmp_path, ema=True)  # the EMA hook: actor -> reference
+        await _train_and_refresh(master)
+        await master.drain()
+        await master.rank_locks[0].acquire()
+        refresh = asyncio.create_task(_train_and_refresh(master))
+        await asyncio.sleep(0.01)
+        assert not refresh.done() and clients[1].kinds == ["transfer"]  # waits for both sides
+        master.rank_locks[0].release()
+        await refresh
+        await master.drain()
+        assert clients[1].kinds == clients[0].kinds == ["transfer"] * 2
 
     asyncio.run(scenario())

@@ -5,6 +5,8 @@ layouts; every rank saves its shard and the test reassembles each replica's full
 """
 
 import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -323,43 +325,65 @@ def test_broadcast_buckets_reuse_one_flat_buffer_that_grows_to_the_largest():
     assert other_dtype.dtype == torch.bfloat16 and other_dtype.data_ptr() != large.data_ptr()
 
 
-def posted_send_worker(rank, port, model_path, result_dir, shared_memory):
-    """Rank 0 owns the trained actor and only starts its last broadcast; rank 1 receives."""
+def posted_send_worker(rank, port, model_path, result_dir, shared_memory, one_bucket):
+    """Rank 0 owns the trained actor and only starts its last broadcast; rank 1 receives. With
+    `one_bucket`, after a first transfer together (which connects the shared memory), rank 1
+    starts its part only after rank 0 has returned from its own and changed its weights (a
+    split refresh: `Master.refresh`); with several buckets only the last one may be in
+    flight."""
     from realrl.workers import realloc
 
     torch.set_num_threads(1)
     os.environ[environment.SHARED_MEMORY] = "1" if shared_memory else "0"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
-    realloc.BUCKET_BYTES = 64 * 1024  # several buckets: only the last one may be in flight
+    if not one_bucket:
+        realloc.BUCKET_BYTES = 64 * 1024
     plan = make_plan(model_path, {"train": [0], "gen": [1], "ref": [0]}, 1.0, 2)
     groups = ProcessGroups.create(plan)
     owner, gen = plan.owner_layout("actor"), plan.layout_of("actor_gen")
     engine = build_engine(model_path, plan, owner if rank == 0 else gen, rank, groups, rank == 0)
+    sent = Path(result_dir) / "sent"
+    if one_bucket:
+        transfer_parameters(engine if rank == 0 else None, engine if rank == 1 else None,
+                            owner, gen, rank, 1.0, groups, plan)
+    if rank == 1 and one_bucket:
+        deadline = time.monotonic() + 60
+        while not sent.exists():
+            assert time.monotonic() < deadline, "the sender never returned on its own"
+            time.sleep(0.01)
     pending: list = []
-    transfer_parameters(engine if rank == 0 else None, engine if rank == 1 else None, owner, gen,
-                        rank, 1.0, groups, plan, pending=pending if rank == 0 else None)
+    alone = transfer_parameters(engine if rank == 0 else None, engine if rank == 1 else None,
+                                owner, gen, rank, 1.0, groups, plan,
+                                pending=pending if rank == 0 else None)
     if rank == 0:
-        assert len(pending) == 1
+        assert alone is one_bucket
+        # The broadcast (shared memory: the publishing barrier) and the receivers' release.
+        assert len(pending) == 1 + shared_memory
         with torch.no_grad():  # the next train step may change the weights at once
             for parameter in engine.module.parameters():
                 parameter.add_(1000.0)
-        pending.pop().wait()
+        sent.touch()
+        for handle in pending:
+            handle.wait()
     else:
+        assert alone is None
         state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         torch.save(state, os.path.join(result_dir, "received.pt"))
     assert [b is not None for b in realloc._SHARED_BUFFERS.values()] == [True] * shared_memory
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("one_bucket", [True, False], ids=["one-bucket", "buckets"])
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "gloo"])
 def test_a_posted_send_returns_before_the_receiver_and_sends_the_weights_it_had(
-    tmp_path, shared_memory
+    tmp_path, shared_memory, one_bucket
 ):
     from realrl.api.ports import free_port
 
     model_path = fresh_default_model(tmp_path / "model")
-    start_ranks(posted_send_worker, (free_port(), str(model_path), str(tmp_path), shared_memory), 2)
+    start_ranks(posted_send_worker,
+                (free_port(), str(model_path), str(tmp_path), shared_memory, one_bucket), 2)
     generator = torch.Generator().manual_seed(7)
     received = torch.load(tmp_path / "received.pt")
     for name, parameter in load_pretrained(model_path).named_parameters():
