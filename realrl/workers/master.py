@@ -135,18 +135,19 @@ class Master:
                         self._transfer(owner, layout, 1.0, result, f"realloc/{mfc.name}",
                                        release_locks=True)))
                     continue
-                # The sender's part must not wait for the receivers of an earlier one (their
-                # release of its buffer): they may be queued behind a call that needs its lock.
+                # The sender writes its buffer again only once the receivers of the last split
+                # transfer from it have read it (nothing else orders the two sides).
                 earlier = self._receiving.pop(owner, [])
                 if earlier:
                     await asyncio.wait(earlier)
                 await self._acquire(sides[0])
                 self._delivering[layout] = version
-                self._background.append(asyncio.create_task(
+                sending = asyncio.create_task(
                     self._transfer(owner, layout, 1.0, result, f"realloc/{mfc.name}",
-                                   release_locks=True, ranks=sides[0])))
-                receiving = asyncio.create_task(
-                    self._receive(owner, layout, sides[1], version, result, f"realloc/{mfc.name}"))
+                                   release_locks=True, ranks=sides[0]))
+                self._background.append(sending)
+                receiving = asyncio.create_task(self._receive(
+                    owner, layout, sides[1], version, sending, result, f"realloc/{mfc.name}"))
                 self._background.append(receiving)
                 self._receiving.setdefault(owner, []).append(receiving)
                 await asyncio.sleep(0)  # the target side queues for its locks now
@@ -183,9 +184,22 @@ class Master:
             raise
 
     async def _receive(self, source: LayoutKey, target: LayoutKey, ranks: list[int],
-                       version: int, result: StepResult, label: str) -> None:
-        """The target side of a split refresh: once its ranks are free, they take the weights."""
+                       version: int, sending: asyncio.Task, result: StepResult,
+                       label: str) -> None:
+        """The target side of a split refresh: once its ranks are free and the sender has
+        written its buffer (`sending` done: nothing else tells the receivers), they read it.
+        A failed sender leaves the layout as it was (its error stops the next request)."""
         await self._acquire(ranks, check=False)  # a failure is for the caller's next request
+        sent = False
+        try:
+            sent = await sending
+        finally:
+            if not sent:
+                self._delivering.pop(target, None)
+                for rank in ranks:
+                    self.rank_locks[rank].release()
+        if not sent:
+            return
         self._deliver(target, version)
         await self._transfer(source, target, 1.0, result, label, release_locks=True, ranks=ranks)
 
@@ -397,16 +411,19 @@ class Master:
 
     async def _transfer(self, source: LayoutKey, target: LayoutKey, eta: float,
                         result: StepResult, label: str, release_locks: bool = False,
-                        ranks: list[int] | None = None) -> None:
-        """Run a transfer on every rank that takes part (or on `ranks`, one side of it). With
-        `release_locks` the caller holds those ranks' locks, and each is released when its
-        rank replies, and senders only start their last broadcast."""
+                        ranks: list[int] | None = None) -> bool:
+        """Run a transfer on every rank that takes part, or on `ranks`, one side of a split
+        transfer (`refresh`). With `release_locks` the caller holds those ranks' locks, and
+        each is released when its rank replies, and senders only start their last broadcast;
+        a rank's failure is then recorded for the next request, and this returns False."""
+        failed = False
         started = time.perf_counter()
         header = {"source": vars(source) | {"ranks": list(source.ranks)},
                   "target": vars(target) | {"ranks": list(target.ranks)}, "eta": eta,
-                  "post_send": release_locks}
+                  "post_send": release_locks, "split": ranks is not None}
 
         async def on_rank(rank: int) -> None:
+            nonlocal failed
             try:
                 reply = await self.request(rank, Message("transfer", header), label, result.step)
                 if "sends_alone" in reply.header:
@@ -415,6 +432,7 @@ class Master:
                 if not release_locks:
                     raise
                 self._background_errors.append(error)  # seen by the lock's next holder
+                failed = True
             finally:
                 if release_locks:
                     self.rank_locks[rank].release()
@@ -422,6 +440,7 @@ class Master:
         ranks = transfer_ranks(source, target) if ranks is None else ranks
         await asyncio.gather(*(on_rank(rank) for rank in ranks))
         result.timing[label] = result.timing.get(label, 0.0) + time.perf_counter() - started
+        return not failed
 
     async def request(self, rank: int, message: Message, name: str | None = None,
                        step: int | None = None) -> Message:

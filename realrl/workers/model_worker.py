@@ -258,6 +258,7 @@ class ModelWorker:
             source=source, target=target, rank=self.rank, eta=message.header["eta"],
             groups=self.groups, plan=self.plan,
             pending=self.pending_sends if message.header.get("post_send") else None,
+            split=message.header.get("split", False),
         )
         reply = {"compute_s": time.perf_counter() - started}
         if sends_alone is not None:  # the sender's: whether the master may split its refreshes

@@ -25,9 +25,12 @@ class FakeClient:
         self.rank, self.fail_transfer, self.sends_alone = rank, fail_transfer, sends_alone
         self.release = asyncio.Event()
         self.kinds: list[str] = []
+        self.split: list[bool] = []  # each transfer's: sent to one side at a time
 
     async def request(self, message: Message, timeout_s: float) -> Message:
         self.kinds.append(message.kind)
+        if message.kind == "transfer":
+            self.split.append(message.header["split"])
         if message.kind == "transfer":
             await self.release.wait()
             if self.fail_transfer:
@@ -133,6 +136,7 @@ def test_a_split_refresh_frees_the_sender_while_a_chunk_holds_the_receiver(tmp_p
         master.rank_locks[0].release()  # the chunk is done: the receiver's part runs next
         await master.drain()
         assert clients[0].kinds == ["transfer"] * 2 and master.layout_version[gen] == 2
+        assert clients[0].split == clients[1].split == [False, True]
         assert not any(lock.locked() for lock in master.rank_locks.values())
 
     asyncio.run(scenario())
@@ -171,5 +175,38 @@ def test_a_refresh_is_not_split_when_another_transfer_leaves_the_sender(tmp_path
         await refresh
         await master.drain()
         assert clients[1].kinds == clients[0].kinds == ["transfer"] * 2
+        assert clients[0].split == clients[1].split == [False, False]
+
+    asyncio.run(scenario())
+
+
+def test_the_receivers_of_a_split_refresh_read_only_after_the_sender_replied(tmp_path):
+    async def scenario():
+        master, clients = _split_master(tmp_path)
+        await _train_and_refresh(master)
+        await master.drain()
+        clients[1].release.clear()  # the sender is still writing its buffer
+        await _train_and_refresh(master)
+        await asyncio.sleep(0.01)
+        assert clients[0].kinds == ["transfer"] and master.rank_locks[0].locked()
+        clients[1].release.set()
+        await master.drain()
+        assert clients[0].kinds == ["transfer"] * 2
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_sender_leaves_the_receivers_weights_and_stops_the_next_request(tmp_path):
+    async def scenario():
+        master, clients = _split_master(tmp_path)
+        gen = master.plan.layout_of("actor_gen")
+        await _train_and_refresh(master)
+        await master.drain()
+        clients[1].fail_transfer = True
+        await _train_and_refresh(master)
+        with pytest.raises(RuntimeError, match="worker 1 died during the transfer"):
+            await master.drain()
+        assert clients[0].kinds == ["transfer"] and master.layout_version[gen] == 1
+        assert not any(lock.locked() for lock in master.rank_locks.values())
 
     asyncio.run(scenario())

@@ -327,10 +327,9 @@ def test_broadcast_buckets_reuse_one_flat_buffer_that_grows_to_the_largest():
 
 def posted_send_worker(rank, port, model_path, result_dir, shared_memory, one_bucket):
     """Rank 0 owns the trained actor and only starts its last broadcast; rank 1 receives. With
-    `one_bucket`, after a first transfer together (which connects the shared memory), rank 1
-    starts its part only after rank 0 has returned from its own and changed its weights (a
-    split refresh: `Master.refresh`); with several buckets only the last one may be in
-    flight."""
+    `one_bucket`, after a first transfer together (which connects the shared memory), a split
+    transfer (`Master.refresh`): rank 1 starts its part only after rank 0 has returned from its
+    own and changed its weights. With several buckets only the last one may be in flight."""
     from realrl.workers import realloc
 
     torch.set_num_threads(1)
@@ -355,11 +354,15 @@ def posted_send_worker(rank, port, model_path, result_dir, shared_memory, one_bu
     pending: list = []
     alone = transfer_parameters(engine if rank == 0 else None, engine if rank == 1 else None,
                                 owner, gen, rank, 1.0, groups, plan,
-                                pending=pending if rank == 0 else None)
+                                pending=pending if rank == 0 else None, split=one_bucket)
     if rank == 0:
         assert alone is one_bucket
-        # The broadcast (shared memory: the publishing barrier) and the receivers' release.
-        assert len(pending) == 1 + shared_memory
+        if not shared_memory:
+            assert len(pending) == 1  # the broadcast
+        elif one_bucket:
+            assert pending == []  # nothing in flight: the master orders the two sides
+        else:
+            assert len(pending) == 2  # the publishing barrier and the receivers' release
         with torch.no_grad():  # the next train step may change the weights at once
             for parameter in engine.module.parameters():
                 parameter.add_(1000.0)
