@@ -360,12 +360,11 @@ def _broadcast_bucket(
     flat = _flat_buffer(numel, dtype, device) if shared is None else shared.buffer(numel, dtype)
     if full is not None:
         torch.cat([full[name].reshape(-1) for name, _ in bucket], out=flat)
-    if shared is not None and split:
-        pass
-    elif shared is not None:
-        published = shared.publish(async_op=pending is not None)
-        if pending is not None:
-            pending.append(published)
+    if shared is not None:
+        if not split:
+            published = shared.publish(async_op=pending is not None)
+            if pending is not None:
+                pending.append(published)
     elif pending is None:
         dist.broadcast(flat, src=root, group=group)
     else:

@@ -98,9 +98,11 @@ def test_drain_reports_a_failed_transfer(tmp_path):
     asyncio.run(scenario())
 
 
-def _split_master(tmp_path, ema: bool = False) -> tuple[Master, dict[int, FakeClient]]:
+async def _split_master(tmp_path, ema: bool = False) -> tuple[Master, dict[int, FakeClient]]:
     """Train on rank 1 (the sender, whose part needs no receiver), generate on rank 0; with
-    `ema`, the train call's EMA hook into the reference is a second transfer from the actor."""
+    `ema`, the train call's EMA hook into the reference is a second transfer from the actor.
+    Returned after a first train step and its refresh, done together: it tells the master
+    `sends_alone`, so later refreshes may be split."""
     plan = make_plan(tmp_path, LAYOUTS, eta=0.5, world=2)
     if not ema:
         train = next(mfc for mfc in plan.mfcs if mfc.name == "actor_train")
@@ -109,6 +111,8 @@ def _split_master(tmp_path, ema: bool = False) -> tuple[Master, dict[int, FakeCl
     for client in clients.values():
         client.release.set()
     master = Master(plan, clients)
+    await _train_and_refresh(master)
+    await master.drain()
     return master, clients
 
 
@@ -120,10 +124,8 @@ async def _train_and_refresh(master: Master) -> None:
 
 def test_a_split_refresh_frees_the_sender_while_a_chunk_holds_the_receiver(tmp_path):
     async def scenario():
-        master, clients = _split_master(tmp_path)
+        master, clients = await _split_master(tmp_path)
         gen = master.plan.layout_of("actor_gen")
-        await _train_and_refresh(master)  # the first refresh: together, learns `sends_alone`
-        await master.drain()
         assert master.layout_version[gen] == 1 and clients[0].kinds == ["transfer"]
         await master.rank_locks[0].acquire()  # a generation chunk runs on rank 0
         await _train_and_refresh(master)  # returns with rank 0 still busy
@@ -144,9 +146,7 @@ def test_a_split_refresh_frees_the_sender_while_a_chunk_holds_the_receiver(tmp_p
 
 def test_a_split_refresh_waits_for_the_earlier_receivers_before_the_sender_goes_again(tmp_path):
     async def scenario():
-        master, clients = _split_master(tmp_path)
-        await _train_and_refresh(master)
-        await master.drain()
+        master, clients = await _split_master(tmp_path)
         await master.rank_locks[0].acquire()  # rank 0 busy through two train steps
         await _train_and_refresh(master)
         second = asyncio.create_task(_train_and_refresh(master))
@@ -164,9 +164,7 @@ def test_a_split_refresh_waits_for_the_earlier_receivers_before_the_sender_goes_
 
 def test_a_refresh_is_not_split_when_another_transfer_leaves_the_sender(tmp_path):
     async def scenario():
-        master, clients = _split_master(tmp_path, ema=True)  # the EMA hook: actor -> reference
-        await _train_and_refresh(master)
-        await master.drain()
+        master, clients = await _split_master(tmp_path, ema=True)  # the EMA hook: actor -> reference
         await master.rank_locks[0].acquire()
         refresh = asyncio.create_task(_train_and_refresh(master))
         await asyncio.sleep(0.01)
@@ -182,9 +180,7 @@ def test_a_refresh_is_not_split_when_another_transfer_leaves_the_sender(tmp_path
 
 def test_the_receivers_of_a_split_refresh_read_only_after_the_sender_replied(tmp_path):
     async def scenario():
-        master, clients = _split_master(tmp_path)
-        await _train_and_refresh(master)
-        await master.drain()
+        master, clients = await _split_master(tmp_path)
         clients[1].release.clear()  # the sender is still writing its buffer
         await _train_and_refresh(master)
         await asyncio.sleep(0.01)
@@ -198,10 +194,8 @@ def test_the_receivers_of_a_split_refresh_read_only_after_the_sender_replied(tmp
 
 def test_a_failed_sender_leaves_the_receivers_weights_and_stops_the_next_request(tmp_path):
     async def scenario():
-        master, clients = _split_master(tmp_path)
+        master, clients = await _split_master(tmp_path)
         gen = master.plan.layout_of("actor_gen")
-        await _train_and_refresh(master)
-        await master.drain()
         clients[1].fail_transfer = True
         await _train_and_refresh(master)
         with pytest.raises(RuntimeError, match="worker 1 died during the transfer"):
