@@ -462,9 +462,10 @@ class BaseExperimentConfig:
     share_idle_cores: bool = help_field(
         True,
         "Local CPU runs: a model worker serving a request borrows the CPU threads of the "
-        "machine's idle workers, between transformer layers, and gives them back as soon as "
-        "one of those starts (e.g. the trainer takes the generator's core once a pipelined "
-        "rollout is done). The thread count then depends on timing, and float sums may round "
+        "machine's workers that have been idle for 20 ms, between transformer layers, and "
+        "gives them back as soon as one of those starts (e.g. the trainer takes the "
+        "generator's core once a pipelined rollout is done, not between two chunks of a "
+        "streaming one). The thread count then depends on timing, and float sums may round "
         "differently in the last bit from run to run; false keeps each worker's even share "
         "of the cores and makes reruns with the same seed bit-identical.",
     )

@@ -7,11 +7,23 @@ synchronous one an MFC on one worker's mesh leaves the others waiting. With an e
 those cores sit idle; here a worker that is running a request takes the threads of every
 worker on the machine that is not, and gives them back as soon as one of them starts.
 
-How: the workers of one machine share a small memory-mapped file with one byte per worker,
-1 while it serves a request. A busy worker re-reads the file between transformer layers
-(forward and backward; `Transformer.between_layers`) and calls `torch.set_num_threads` when
-its share changed, so a lent core is taken back within one layer. Reading the bytes costs
-well under a microsecond; the thread count only changes when a peer starts or stops.
+How: the workers of one machine share a small memory-mapped file with one 8-byte slot per
+worker: `BUSY` while it serves a request, else the time (`time.monotonic_ns`, one clock for
+every process of the machine) it went idle, 0 before its first request. A busy worker re-reads
+the file between transformer layers (forward and backward; `Transformer.between_layers`) and
+calls `torch.set_num_threads` when its share changed, so a lent core is taken back within one
+layer. Reading the slots costs about a microsecond; the thread count only changes when a peer
+starts or stops.
+
+A peer lends its threads only once it has been idle for `LEND_AFTER_S`. A worker that stops
+and starts again within a few milliseconds (a streaming generator between two chunks, a
+rollout worker between its generation and its reward call) is not idle in any useful sense:
+a borrower that took its core would run two threads against the peer's one on two cores until
+its next layer, and every OpenMP region in that layer waits for whichever thread the kernel
+preempted. On the 0.8M reward-time model that made async and pipelined steps 12-17% slower
+than with no lending at all (`benchmarks/reward_time.md`); a peer idle for longer (the
+generator waiting for the staleness bound, a pipelined rollout done well before training) is
+still lent to.
 
 Compiled code (`gen.compile`, `<role>.compile`) is guarded on the thread count: dynamo
 compiles a function once more for every thread count it is called with, and past
@@ -42,7 +54,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import struct
 import tempfile
+import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,10 +70,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CoreShareSpec:
-    """Where the shared file is, which byte is this worker's, and its threads."""
+    """Where the shared file is, which slot is this worker's, and its threads."""
 
     path: Path
-    slot: int  # the worker's rank: a local launch has one byte per worker
+    slot: int  # the worker's rank: a local launch has one slot per worker
     slots: int
     threads: int  # this worker's own share; a peer's share is the same
 
@@ -72,13 +86,21 @@ class CoreShareSpec:
         return cls(Path(path), int(slot), int(slots), int(threads))
 
 
+# A slot's value while its worker serves a request; any other value is the time it went idle.
+BUSY = -1
+SLOT_BYTES = 8
+# How long a peer must have been idle before its threads are taken (module docstring).
+LEND_AFTER_S = 0.02
+
+
 def create_share_file(slots: int) -> Path:
-    """A new file of `slots` zero bytes (all idle) in node-local shared memory."""
+    """A new file of `slots` zeroed slots (all idle since the launch) in node-local shared
+    memory."""
     shm = Path("/dev/shm")
     directory = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
     fd, path = tempfile.mkstemp(prefix="realrl-cores-", dir=directory)
     try:
-        os.ftruncate(fd, slots)
+        os.ftruncate(fd, slots * SLOT_BYTES)
     finally:
         os.close(fd)
     return Path(path)
@@ -99,14 +121,16 @@ RECOMPILE_LIMIT_PER_COUNT = 8
 class CoreShare:
     """This worker's view of the machine's shared busy flags."""
 
-    def __init__(self, spec: CoreShareSpec):
+    def __init__(self, spec: CoreShareSpec, lend_after_s: float = LEND_AFTER_S):
         import torch  # here, not at the top: the launcher imports `CoreShareSpec`
 
         self._torch = torch
         self.spec = spec
+        self._lend_after_ns = int(lend_after_s * 1e9)
+        self._layout = struct.Struct(f"<{spec.slots}q")
         fd = os.open(spec.path, os.O_RDWR)
         try:
-            self._flags = mmap.mmap(fd, spec.slots)
+            self._flags = mmap.mmap(fd, self._layout.size)
         finally:
             os.close(fd)
         self._busy = False
@@ -135,11 +159,19 @@ class CoreShare:
             module.compiled_blocks.thread_counts = self.thread_counts()
 
     def threads_now(self) -> int:
-        """Own share plus the shares of the peers that are idle now (while this one is busy)
-        and do not serve the same call."""
-        flags = self._flags[: self.spec.slots]
-        busy = sum(1 for slot, flag in enumerate(flags) if flag or slot in self._partners)
-        return self.spec.threads * (1 + self.spec.slots - max(busy, 1))
+        """Own share plus the shares of the peers that have been idle for `lend_after_s` (while
+        this one is busy) and do not serve the same call."""
+        lent_before = time.monotonic_ns() - self._lend_after_ns
+        lenders = sum(
+            1
+            for slot, state in enumerate(self._layout.unpack_from(self._flags))
+            if state != BUSY and state <= lent_before and slot not in self._partners
+            and slot != self.spec.slot
+        )
+        return self.spec.threads * (1 + lenders)
+
+    def _mark(self, state: int) -> None:
+        struct.pack_into("<q", self._flags, self.spec.slot * SLOT_BYTES, state)
 
     def rebalance(self) -> None:
         """Take the threads lent now (or give back what a peer took back)."""
@@ -155,7 +187,7 @@ class CoreShare:
 
         `partners`: the slots (worker ranks) serving the same call, whose threads are not taken.
         """
-        self._flags[self.spec.slot] = 1
+        self._mark(BUSY)
         self._busy = True
         self._partners = frozenset(partners) - {self.spec.slot}
         try:
@@ -164,9 +196,9 @@ class CoreShare:
         finally:
             self._busy = False
             self._partners = frozenset()
-            self._flags[self.spec.slot] = 0
+            self._mark(time.monotonic_ns())
             self._torch.set_num_threads(self.spec.threads)
 
     def close(self) -> None:
-        self._flags[self.spec.slot] = 0
+        self._mark(0)
         self._flags.close()

@@ -23,7 +23,9 @@ from realrl.models.config import ModelConfig
 from realrl.models.generation import generate
 from realrl.models.sampling import GenerationConfig
 from realrl.models.transformer import Transformer
+from realrl.workers import core_share
 from realrl.workers.core_share import (
+    SLOT_BYTES,
     CoreShare,
     CoreShareSpec,
     create_share_file,
@@ -40,17 +42,20 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-def _share(tmp_path, slot: int, slots: int = 3, threads: int = 1) -> CoreShare:
+def _share(tmp_path, slot: int, slots: int = 3, threads: int = 1,
+           lend_after_s: float = 0.0) -> CoreShare:
+    """A worker's view of a file in `tmp_path`; peers lend the moment they stop, unless
+    `lend_after_s` says otherwise."""
     path = tmp_path / "core-share"
     if not path.exists():
-        path.write_bytes(bytes(slots))
-    return CoreShare(CoreShareSpec(path, slot, slots, threads))
+        path.write_bytes(bytes(slots * SLOT_BYTES))
+    return CoreShare(CoreShareSpec(path, slot, slots, threads), lend_after_s)
 
 
 def test_the_launcher_file_starts_all_idle_in_shared_memory():
     path = create_share_file(3)
     try:
-        assert path.read_bytes() == bytes(3)
+        assert path.read_bytes() == bytes(3 * SLOT_BYTES)
         if os.access("/dev/shm", os.W_OK):
             assert path.parent == Path("/dev/shm")
     finally:
@@ -98,6 +103,35 @@ def test_a_worker_does_not_take_the_threads_of_its_own_calls_mesh(tmp_path, rest
     # The next call is this worker's alone: every idle peer lends again.
     with first.busy(partners=(0,)):
         assert torch.get_num_threads() == 6
+
+
+def test_a_peer_lends_only_once_it_has_been_idle_for_a_while(
+    tmp_path, restore_threads, monkeypatch
+):
+    # A streaming generator stops and starts again every few milliseconds between chunks:
+    # its core is not taken in those gaps, only once it has been idle for `lend_after_s`.
+    now = [10**12]  # ns, one clock for both views (CLOCK_MONOTONIC is machine-wide)
+    monkeypatch.setattr(core_share.time, "monotonic_ns", lambda: now[0])
+    trainer = _share(tmp_path, 0, slots=2, lend_after_s=0.02)
+    generator = _share(tmp_path, 1, slots=2, lend_after_s=0.02)
+    torch.set_num_threads(1)
+    with trainer.busy():
+        assert torch.get_num_threads() == 2  # idle since the launch: lent at once
+        with generator.busy():
+            trainer.rebalance()
+            assert torch.get_num_threads() == 1
+        now[0] += 19_000_000  # 19 ms after the generator's chunk: still its core
+        trainer.rebalance()
+        assert torch.get_num_threads() == 1
+        with generator.busy():  # the next chunk
+            now[0] += 5_000_000
+        now[0] += 20_000_000
+        trainer.rebalance()
+        assert torch.get_num_threads() == 2  # idle for 20 ms: lent
+        with generator.busy():
+            trainer.rebalance()
+            assert torch.get_num_threads() == 1  # taken back at once, no grace that way
+    assert torch.get_num_threads() == 1
 
 
 @pytest.fixture
