@@ -69,7 +69,8 @@ logger = logging.getLogger(__name__)
 
 # Requests started and not finished at once: one generating, the next queued behind it on the
 # generation workers, so that they never wait for the master between two requests. More would
-# only queue on the same workers, and would take the weights of their admission time.
+# only queue on the same workers, and would take the weights of their admission time. The
+# older one's calls (its reward after its generation) go first (`realrl.workers.rank_lock`).
 MAX_RUNNING_REQUESTS = 2
 
 

@@ -59,7 +59,7 @@ async def run_in_chunks(master, mfc: MFCDef, result, settings: ChunkSettings) ->
         refresh = master.is_stale(mfc)
         ranks = set(allocation.mesh.ranks) | (set(transfer_ranks(owner, layout)) if refresh
                                               else set())
-        async with master.locked(sorted(ranks)):
+        async with master.locked(sorted(ranks), result.step):
             if refresh and master.is_stale(mfc):
                 await master.refresh_layout(mfc, result)
             if first:

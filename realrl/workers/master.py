@@ -31,6 +31,7 @@ from realrl.api.data import SequenceSample
 from realrl.api.dfg import MFCDef, MFCKind, ParamReallocHook
 from realrl.api.errors import UserFacingError
 from realrl.workers.chunked_generation import ChunkSettings, run_in_chunks, runs_in_chunks
+from realrl.workers.rank_lock import REFRESH, PriorityLock
 from realrl.workers.realloc import split_transfer_ranks, transfer_ranks
 from realrl.workers.rollout_filter import apply_rollout_filter, discarded_by_filter
 from realrl.workers.run_plan import LayoutKey, RunPlan
@@ -66,7 +67,8 @@ class Master:
         if calls is None:
             calls = InFlightCalls(WatchdogClock(), DeadlinePolicy(plan.base.watchdog))
         self.calls = calls
-        self.rank_locks = {rank: asyncio.Lock() for rank in clients}
+        # Granted to the oldest step's work first, a weight refresh before any (`rank_lock`).
+        self.rank_locks = {rank: PriorityLock() for rank in clients}
         self.role_version = {role: 0 for role in plan.models}
         self.layout_version = {layout: 0 for layout in plan.layouts()}
         self.producer_of = {key: mfc.name for mfc in plan.mfcs for key in mfc.output_keys}
@@ -168,13 +170,15 @@ class Master:
             return None
         return split_transfer_ranks(source, target)
 
-    async def _acquire(self, ranks: list[int], check: bool = True) -> None:
-        """Take the locks of `ranks` in order (all or, on a failure, none); with `check`, then
-        raise a background transfer's failure."""
+    async def _acquire(self, ranks: list[int], check: bool = True,
+                       priority: int = REFRESH) -> None:
+        """Take the locks of `ranks` in order (all or, on a failure, none), ahead of the waiters
+        of a lower `priority` (a refresh's by default); with `check`, then raise a background
+        transfer's failure."""
         held: list[int] = []
         try:
             for rank in ranks:
-                await self.rank_locks[rank].acquire()
+                await self.rank_locks[rank].acquire(priority)
                 held.append(rank)
             if check:
                 self._raise_background_failure()
@@ -356,7 +360,7 @@ class Master:
         for hook in hooks:
             ranks |= set(transfer_ranks(self.plan.owner_layout(hook.source_role),
                                         self.plan.owner_layout(hook.target_role)))
-        async with self.locked(sorted(ranks)):
+        async with self.locked(sorted(ranks), result.step):
             if refresh:
                 await self.refresh_layout(mfc, result)
             self.record_policy_lag(mfc, result)
@@ -386,12 +390,14 @@ class Master:
         self.layout_version[target] = self.role_version[hook.target_role]
 
     @contextlib.asynccontextmanager
-    async def locked(self, ranks: list[int]):
-        async with contextlib.AsyncExitStack() as stack:
-            for rank in ranks:
-                await stack.enter_async_context(self.rank_locks[rank])
-            self._raise_background_failure()
+    async def locked(self, ranks: list[int], step: int):
+        """Hold the locks of `ranks` (sorted), taken before the waiters of later steps."""
+        await self._acquire(ranks, priority=step)
+        try:
             yield
+        finally:
+            for rank in ranks:
+                self.rank_locks[rank].release()
 
     def _raise_background_failure(self) -> None:
         """Raise the first failure of a background transfer; forget the finished ones."""
@@ -454,7 +460,8 @@ class Master:
         """Run train MFC `mfc`'s forward on its `forward_keys` before its other inputs exist;
         its workers keep the graph for the train call. Skipped when the call's layout is not
         up to date: the train call then refreshes it and runs its own forward."""
-        async with self.locked(sorted(self.plan.allocations[mfc.name].mesh.ranks)):
+        ranks = sorted(self.plan.allocations[mfc.name].mesh.ranks)
+        async with self.locked(ranks, result.step):
             if self.is_stale(mfc):
                 return
             started = time.perf_counter()

@@ -81,7 +81,7 @@ def test_a_failed_background_transfer_stops_the_next_request_and_frees_every_loc
         master = await _refreshed_with_failure(tmp_path, failing_rank=0)
         # The next request for rank 0 waits for its lock, then sees the transfer's error.
         with pytest.raises(RuntimeError, match="worker 0 died during the transfer"):
-            async with master.locked([0]):
+            async with master.locked([0], step=2):
                 pytest.fail("ran a request after a failed transfer")
         assert not any(lock.locked() for lock in master.rank_locks.values())
         await master.drain()  # the failure was reported once, not again at the end
@@ -158,6 +158,31 @@ def test_a_split_refresh_waits_for_the_earlier_receivers_before_the_sender_goes_
         await master.drain()
         assert clients[1].kinds == clients[0].kinds == ["transfer"] * 3
         assert master.layout_version[master.plan.layout_of("actor_gen")] == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_rank_serves_a_refresh_first_then_the_oldest_steps_calls(tmp_path):
+    """Two async requests: the newer one's generation, queued first, waits for the older one's
+    reward, and both for the weights the trainer just published (`realrl.workers.rank_lock`)."""
+    async def scenario():
+        master, clients = await _split_master(tmp_path)
+        await master.rank_locks[0].acquire()  # step 5's generation runs on rank 0
+
+        async def call(step: int, kind: str) -> None:
+            async with master.locked([0], step):
+                await master.request(0, Message(kind, {}))
+
+        newer = asyncio.create_task(call(6, "generate step 6"))
+        await asyncio.sleep(0)
+        older = asyncio.create_task(call(5, "reward step 5"))
+        await asyncio.sleep(0)
+        await _train_and_refresh(master)  # its receiver queues last
+        master.rank_locks[0].release()
+        await asyncio.gather(newer, older)
+        await master.drain()
+        assert clients[0].kinds == ["transfer", "transfer", "reward step 5", "generate step 6"]
+        assert not master.rank_locks[0].locked()
 
     asyncio.run(scenario())
 
