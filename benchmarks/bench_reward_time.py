@@ -639,6 +639,12 @@ def main(argv: list[str] | None = None) -> None:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.from_results:
         result = json.loads(Path(args.from_results).read_text())
+        for run in result["runs"]:
+            # The copies under benchmarks/results/ keep each step as a row of `step_keys`.
+            keys = run.pop("step_keys", None)
+            if keys is not None:
+                run["steps"] = [{key: value for key, value in zip(keys, row) if value is not None}
+                                for row in run["steps"]]
     else:
         result = measure(args, argv)
     thresholds = [float(t) for t in args.thresholds.split(",")]
