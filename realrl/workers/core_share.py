@@ -5,7 +5,8 @@ graph rarely keeps them all busy. In a pipelined step (`pipeline_rollout=true`) 
 worker finishes its rollout well before the training worker finishes its step, and in a
 synchronous one an MFC on one worker's mesh leaves the others waiting. With an even split
 those cores sit idle; here a worker that is running a request takes the threads of every
-worker on the machine that is not, and gives them back as soon as one of them starts.
+worker on the machine that has been idle for a while (`LEND_AFTER_S`, below), and gives them
+back as soon as one of them starts.
 
 How: the workers of one machine share a small memory-mapped file with one 8-byte slot per
 worker: `BUSY` while it serves a request, else the time (`time.monotonic_ns`, one clock for

@@ -65,9 +65,3 @@ class PriorityLock:
                 granted.set_result(None)  # the lock stays held: it is the waiter's now
                 return
         self._held = False
-
-    async def __aenter__(self) -> None:
-        await self.acquire()
-
-    async def __aexit__(self, *exc_info) -> None:
-        self.release()
