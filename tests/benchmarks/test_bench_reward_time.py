@@ -210,8 +210,21 @@ def test_loop_arguments_default_to_the_shared_recipe():
     assert (args.lr, args.train_size, args.threads) == (2e-4, 256, 2)
 
 
-def test_from_results_re_summarises_and_plots_without_running_anything(tmp_path, capsys):
+def _compact(run: dict) -> dict:
+    """A run as the copies under benchmarks/results/ keep it: each step a row of `step_keys`,
+    None where a step lacks the key."""
+    keys = sorted({key for step in run["steps"] for key in step})
+    return run | {"step_keys": keys, "steps": [[step.get(key) for key in keys]
+                                               for step in run["steps"]]}
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["as-written", "compact-copy"])
+def test_from_results_re_summarises_and_plots_without_running_anything(tmp_path, capsys,
+                                                                       compact):
     runs = [_run("realrl", 1, [0.0, 1.0, 1.0], 1.0), _run("loop", 1, [0.0, 0.0, 1.0], 2.0)]
+    if compact:
+        runs[0]["steps"][0]["async/generator_busy_fraction"] = 0.5  # a key the others lack
+        runs = [_compact(run) for run in runs]
     earlier = tmp_path / "earlier.json"
     earlier.write_text(
         json.dumps(
