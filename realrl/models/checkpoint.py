@@ -39,7 +39,7 @@ from realrl.models.families import (
     hf_tensor_shapes,
     to_hf_state_dict,
 )
-from realrl.models.transformer import Transformer
+from realrl.models.transformer import Transformer, on_meta_device
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def load_pretrained(
     allow_extra = {"lm_head.weight"} if (config.tie_word_embeddings or config.is_critic) else set()
     _check_names_and_shapes(index, expected, allow_extra)
     hf_state = _read_tensors(index, set(expected), dtype, device)
-    with torch.device("meta"):
+    with on_meta_device():
         model = Transformer(config)
     state = from_hf_state_dict(hf_state, config)
     if config.is_critic and VALUE_HEAD_NAME not in state:

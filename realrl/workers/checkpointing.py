@@ -49,7 +49,7 @@ from realrl.models.lora import has_adapters, merged_state_dict
 from realrl.models.peft_format import load_adapter, save_adapter
 from realrl.models.tensor_parallel import shard_state_dict
 from realrl.models.tokenizer import TextFormat, resolve_chat_template
-from realrl.models.transformer import Transformer
+from realrl.models.transformer import Transformer, on_meta_device
 from realrl.workers.checkpoint_disk import fsync_tree
 from realrl.workers.realloc import (
     full_parameter_shapes,
@@ -111,7 +111,7 @@ def _save_role(worker, owner, role_dir: Path) -> None:
         if full is not None:
             config = config_to_save(engine.module.config, engine.tokenizer, plan.dataset_kind,
                                     plan.dataset.apply_chat_template)
-            with torch.device("meta"):
+            with on_meta_device():
                 model = Transformer(config)
             model.load_state_dict(full, strict=True, assign=True)
             save_pretrained(model, role_dir, tokenizer=engine.tokenizer)
@@ -147,7 +147,7 @@ def _save_adapter(worker, owner, role_dir: Path) -> dict | None:
     if lora.save_merged:
         config = config_to_save(module.config, engine.tokenizer, worker.plan.dataset_kind,
                                 worker.plan.dataset.apply_chat_template)
-        with torch.device("meta"):
+        with on_meta_device():
             model = Transformer(config)
         model.load_state_dict(merged_state_dict(full, module.config, lora), strict=True,
                               assign=True)

@@ -56,6 +56,7 @@ import contextlib
 import mmap
 import os
 import struct
+import sys
 import tempfile
 import time
 from collections.abc import Collection, Iterator
@@ -136,8 +137,23 @@ class CoreShare:
             os.close(fd)
         self._busy = False
         self._partners: frozenset[int] = frozenset()
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT_PER_COUNT * spec.slots)
+        self._room_for_recompiles = False
+        self._make_room_for_recompiles()
+
+    def _make_room_for_recompiles(self) -> None:
+        """Raise dynamo's recompile limit (see the module docstring) once torch._dynamo is
+        imported, before the thread count changes: nothing was compiled before that import,
+        and importing it only for this would cost 1.5 s of CPU in every worker."""
+        dynamo = sys.modules.get("torch._dynamo")
+        if self._room_for_recompiles or dynamo is None:
+            return
+        limit = dynamo.config.recompile_limit
+        dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT_PER_COUNT * self.spec.slots)
+        self._room_for_recompiles = True
+
+    def _set_threads(self, threads: int) -> None:
+        self._make_room_for_recompiles()
+        self._torch.set_num_threads(threads)
 
     @classmethod
     def from_environment(cls) -> CoreShare | None:
@@ -156,6 +172,7 @@ class CoreShare:
         """Re-balance threads between `module`'s layers, and have its compiled blocks (if any)
         compile for every thread count at their first call rather than mid-run."""
         module.between_layers = self.rebalance
+        self._make_room_for_recompiles()
         if module.compiled_blocks is not None:
             module.compiled_blocks.thread_counts = self.thread_counts()
 
@@ -180,7 +197,7 @@ class CoreShare:
             return
         threads = self.threads_now()
         if threads != self._torch.get_num_threads():
-            self._torch.set_num_threads(threads)
+            self._set_threads(threads)
 
     @contextlib.contextmanager
     def busy(self, partners: Collection[int] = ()) -> Iterator[None]:
@@ -198,7 +215,7 @@ class CoreShare:
             self._busy = False
             self._partners = frozenset()
             self._mark(time.monotonic_ns())
-            self._torch.set_num_threads(self.spec.threads)
+            self._set_threads(self.spec.threads)
 
     def close(self) -> None:
         self._mark(0)

@@ -53,7 +53,7 @@ from realrl.backends.torch_engine import TorchEngine
 from realrl.models.config import ModelConfig
 from realrl.models.lora import add_adapters, has_adapters, trained_parameter_names
 from realrl.models.tensor_parallel import shard_state_dict, unshard_state_dicts
-from realrl.models.transformer import Transformer
+from realrl.models.transformer import Transformer, on_meta_device
 from realrl.workers.run_plan import LayoutKey, RunPlan
 
 BUCKET_BYTES = 64 * 1024 * 1024
@@ -234,7 +234,7 @@ def full_parameter_shapes(config: ModelConfig) -> list[tuple[str, torch.Size]]:
     """(name, full shape) of every parameter, in `named_parameters` order (equal for shards)."""
     key = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
     if key not in _SHAPES:
-        with torch.device("meta"):
+        with on_meta_device():
             model = Transformer(config)
         _SHAPES[key] = [(name, parameter.shape) for name, parameter in model.named_parameters()]
     return _SHAPES[key]
@@ -250,7 +250,7 @@ def moving_parameter_shapes(module: Transformer) -> list[tuple[str, torch.Size]]
     key = json.dumps([dataclasses.asdict(module.config), dataclasses.asdict(lora)],
                      sort_keys=True, default=str)
     if key not in _SHAPES:
-        with torch.device("meta"):
+        with on_meta_device():
             model = add_adapters(Transformer(module.config), lora, seed=0)
         trained = set(trained_parameter_names(model))
         _SHAPES[key] = [(name, parameter.shape) for name, parameter in model.named_parameters()

@@ -4,6 +4,11 @@ every error message."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +31,8 @@ from realrl.models.checkpoint import (
 from realrl.models.families import SCORE_HEAD_NAME, VALUE_HEAD_NAME
 from realrl.models.generation import generate
 from realrl.models.sampling import GenerationConfig as SamplingConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 LENGTHS = [5, 11, 2]
 
@@ -304,3 +311,23 @@ def test_shard_listed_in_index_but_absent_is_reported(tmp_path):
         CheckpointError, match=rf"{shard.name} is listed in .*index\.json but does not exist"
     ):
         load_pretrained(tmp_path / "sharded")
+
+
+def test_loading_a_checkpoint_skips_random_init_and_leaves_torch_dynamo_unimported(tmp_path):
+    # Initialisers on the meta device would import torch._dynamo (1.5 s of CPU in each worker).
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from realrl.models.checkpoint import load_pretrained
+        from realrl.models.transformer import on_meta_device
+        initialiser = torch.nn.init.normal_
+        model = load_pretrained({str(REPO_ROOT / "realrl" / "assets" / "default-actor-v1")!r})
+        with on_meta_device():
+            torch.nn.Linear(3, 4)
+        assert torch.nn.init.normal_ is initialiser
+        print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo",
+              next(model.parameters()).device)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["no", "dynamo", "cpu"]

@@ -271,3 +271,29 @@ def test_a_model_worker_lends_across_calls_but_not_within_a_calls_mesh(
     for name in ("actor_gen", "actor_train"):  # worker 1 idle in both
         worker.handle(Message("mfc", {"mfc": name}))
     assert threads_seen == [1, 2]
+
+
+def test_dynamo_is_imported_by_whoever_compiles_and_its_limit_raised_before_threads_change(
+    tmp_path
+):
+    # Importing torch._dynamo costs 1.5 s of CPU: a worker that compiles nothing never does.
+    path = tmp_path / "core-share"
+    path.write_bytes(bytes(2 * SLOT_BYTES))
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from realrl.workers.core_share import CoreShare, CoreShareSpec
+        share = CoreShare(CoreShareSpec(Path({str(path)!r}), 0, 2, 1))
+        with share.busy():
+            pass
+        print("torch._dynamo" in sys.modules)
+        import torch._dynamo
+        torch._dynamo.config.recompile_limit = 8
+        with share.busy():
+            pass
+        print(torch._dynamo.config.recompile_limit)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "16"]
