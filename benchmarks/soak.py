@@ -69,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def process_table() -> dict[int, tuple[int, list[str]]]:
-    """pid -> (parent pid, argv) of every process on the machine."""
+def process_table() -> dict[int, tuple[int, list[str], str]]:
+    """pid -> (parent pid, argv, name) of every process on the machine."""
     table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -81,12 +81,19 @@ def process_table() -> dict[int, tuple[int, list[str]]]:
         except OSError:
             continue  # exited meanwhile
         parent = int(stat.rsplit(")", 1)[1].split()[1])
-        table[int(entry)] = (parent, [a.decode(errors="replace") for a in argv if a])
+        name = stat.split("(", 1)[1].rsplit(")", 1)[0]
+        table[int(entry)] = (parent, [a.decode(errors="replace") for a in argv if a], name)
     return table
 
 
-def role_name(argv: list[str], parent_name: str | None) -> str:
-    """`master`, `worker<rank>` for realrl's processes; `<parent>/<program>` for their children."""
+def role_name(argv: list[str], parent_name: str | None, name: str = "") -> str:
+    """`master`, `worker<rank>` for realrl's processes (started as interpreters, or forked from
+    the fork server, which names them `realrl-<role>`), `fork_server` for that server;
+    `<parent>/<program>` for their children."""
+    if name.startswith("realrl-") and "realrl.launcher.forkserver" in argv:
+        return name.removeprefix("realrl-")
+    if "realrl.launcher.forkserver" in argv:
+        return "fork_server"
     if "realrl.launcher.entry" in argv:
         if "master" in argv:
             return "master"
@@ -101,7 +108,7 @@ def run_processes(root_pid: int) -> dict[str, int]:
     """Role name -> pid for the launcher and all its descendants (repeated names get `#2`...)."""
     table = process_table()
     children: dict[int, list[int]] = {}
-    for pid, (parent, _) in table.items():
+    for pid, (parent, _, _) in table.items():
         children.setdefault(parent, []).append(pid)
     names: dict[str, int] = {}
     pending = [(root_pid, None)]
@@ -109,7 +116,8 @@ def run_processes(root_pid: int) -> dict[str, int]:
         pid, parent_name = pending.pop(0)
         if pid not in table:
             continue
-        name = "launcher" if parent_name is None else role_name(table[pid][1], parent_name)
+        name = "launcher" if parent_name is None else role_name(table[pid][1], parent_name,
+                                                                  table[pid][2])
         base, copy = name, 2
         while name in names:
             name, copy = f"{base}#{copy}", copy + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from realrl.api.config import ConfigError
@@ -25,6 +26,10 @@ CACHE = "REALRL_CACHE"
 # "0" makes CPU ranks on one machine sum gradients and send weights through gloo's sockets
 # instead of shared memory (`realrl.backends.shared_memory`).
 SHARED_MEMORY = "REALRL_SHARED_MEMORY"
+# "0" makes the local launcher start the master and each worker as its own interpreter instead
+# of forking them from one process that imported torch and realrl once
+# (`realrl.launcher.forkserver`). Forking is Linux only.
+FORK_SERVER = "REALRL_FORK_SERVER"
 
 
 def cache_dir() -> Path:
@@ -42,3 +47,17 @@ def shared_memory_enabled() -> bool:
             "send weights through gloo, or to 1 (or unset it) for shared memory"
         ])
     return value == "1"
+
+
+def fork_server_enabled() -> bool:
+    """`REALRL_FORK_SERVER`: "1" (the default, on Linux) or "0"; any other value is a
+    `ConfigError` naming the fix. Elsewhere than on Linux every process starts its own
+    interpreter (the fork server needs `prctl` to die with the launcher)."""
+    value = os.environ.get(FORK_SERVER, "1")
+    if value not in ("0", "1"):
+        raise ConfigError([
+            f"{FORK_SERVER}={value!r} is neither 0 nor 1: set it to 0 to start every process "
+            "as its own interpreter, or to 1 (or unset it) to fork them from one that has "
+            "imported torch and realrl once"
+        ])
+    return value == "1" and sys.platform.startswith("linux")

@@ -19,6 +19,7 @@ from pathlib import Path
 from realrl.api import environment
 from realrl.api.config import BaseExperimentConfig, usable_cores
 from realrl.api.ports import free_port
+from realrl.launcher.forkserver import ENTRY_MODULES
 from realrl.launcher.plan import LaunchPlan
 from realrl.launcher.prepare import preemption_message, prepare_run
 from realrl.launcher.processes import (
@@ -38,7 +39,9 @@ def run_locally(config: BaseExperimentConfig) -> int:
     plan = prepared.plan
     core_share = create_share_file(len(plan.workers)) if config.share_idle_cores else None
     try:
-        supervisor = ProcessSupervisor(process_specs(config, plan, free_port(), core_share))
+        preload = ENTRY_MODULES if environment.fork_server_enabled() else ()
+        supervisor = ProcessSupervisor(process_specs(config, plan, free_port(), core_share),
+                                       preload=preload)
         return _supervise(supervisor, prepared.run_dir)
     finally:
         if core_share is not None:

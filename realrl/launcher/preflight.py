@@ -64,6 +64,7 @@ def prepare_launch(config: BaseExperimentConfig) -> LaunchPlan:
     """Resolve, check and plan `config` (see the module docstring); raises `ConfigError`
     with every problem found. Starts nothing and writes nothing but default models."""
     environment.shared_memory_enabled()  # a bad REALRL_SHARED_MEMORY fails here
+    environment.fork_server_enabled()  # and a bad REALRL_FORK_SERVER
     problems: list[str] = []
     if config.mode == LaunchMode.slurm:
         from realrl.launcher.slurm_checks import resolve_gpu_request

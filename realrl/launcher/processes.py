@@ -54,6 +54,7 @@ from typing import IO
 from realrl.api import environment
 from realrl.api.errors import UserFacingError
 from realrl.launcher.console import Console
+from realrl.launcher.forkserver import ForkedProcess, ForkServer, ForkServerError, forkable
 from realrl.workers.preemption import PREEMPTED_EXIT_CODE
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,8 @@ def _parent_death_signal_setter(parent_pid: int):
 class _RunningProcess:
     """One child, its log file and the thread that copies its output."""
 
-    def __init__(self, spec: ProcessSpec, console: Console, tail_lines: int):
+    def __init__(self, spec: ProcessSpec, console: Console, tail_lines: int,
+                 fork_server: ForkServer | None = None):
         self.spec = spec
         self.log_tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self.log_only_lines = 0  # lines written to the log file only (`is_log_only`)
@@ -186,16 +188,25 @@ class _RunningProcess:
         # torch.compile's C++ compile workers (gen.compile, <role>.compile) get the same share unless
         # the user chose: by default inductor starts one per core in every process.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", threads)
+        self.forked = fork_server is not None and forkable(spec.argv)
+        self.popen: subprocess.Popen | ForkedProcess
         try:
-            self.popen = subprocess.Popen(
-                spec.argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_parent_death_signal_setter(os.getpid()),
-            )
+            if self.forked:
+                assert fork_server is not None
+                self.popen = fork_server.spawn(spec.name, spec.argv[1:], env)
+            else:
+                self.popen = subprocess.Popen(
+                    spec.argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_parent_death_signal_setter(os.getpid()),
+                )
+        except ForkServerError:
+            self._log_file.close()
+            raise
         except OSError as error:
             self._log_file.close()
             raise RuntimeError(
@@ -262,10 +273,13 @@ class ProcessSupervisor:
         console: IO[str] | None = None,
         grace_s: float = DEFAULT_GRACE_S,
         log_tail_lines: int = DEFAULT_LOG_TAIL_LINES,
+        preload: tuple[str, ...] = (),
     ):
         """`console` defaults to sys.stdout (on a terminal the master's progress line is
         redrawn in place, see `realrl.launcher.console`); a failure report shows
-        `log_tail_lines` lines."""
+        `log_tail_lines` lines. With modules to `preload`, the processes whose `argv` is this
+        interpreter with `-m` or `-c` are forked from one process that imported those modules
+        (`realrl.launcher.forkserver`) instead of each starting an interpreter."""
         names = [spec.name for spec in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"process names must be unique, got {names}")
@@ -276,6 +290,8 @@ class ProcessSupervisor:
         self._running: list[_RunningProcess] = []
         self._stopped = False
         self._stop_requested_by: int | None = None  # the signal that asked for a graceful stop
+        self._preload = preload if any(forkable(spec.argv) for spec in specs) else ()
+        self._fork_server: ForkServer | None = None
 
     @property
     def pids(self) -> dict[str, int]:
@@ -284,13 +300,28 @@ class ProcessSupervisor:
     def start(self) -> None:
         """Spawn every process. If one cannot be started, the ones already started are stopped."""
         try:
+            if self._preload:
+                env = self._fork_server_environment()
+                self._fork_server = ForkServer(env, self._preload, env.get(environment.RUN_DIR))
+                logger.info("started the fork server (pid %d)", self._fork_server.pid)
             for spec in self.specs:
-                process = _RunningProcess(spec, self._console, self._log_tail_lines)
+                process = _RunningProcess(spec, self._console, self._log_tail_lines,
+                                          self._fork_server)
                 self._running.append(process)
                 logger.info("started %s (pid %d): %s", spec.name, process.popen.pid, spec.argv)
         except BaseException:
             self.stop()
             raise
+
+    def _fork_server_environment(self) -> dict[str, str]:
+        """The environment every forked process shares (see `realrl.launcher.forkserver`)."""
+        shared = dict(os.environ)
+        envs = [spec.env for spec in self.specs if forkable(spec.argv)]
+        shared |= {key: value for key, value in envs[0].items()
+                   if all(env.get(key) == value for env in envs)}
+        threads = str(min(spec.num_threads for spec in self.specs))
+        return shared | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads,
+                         "MKL_NUM_THREADS": threads}
 
     def wait(self, poll_interval_s: float = 0.2) -> int:
         """Return 0 once every process exited 0; on the first failure stop all and raise.
@@ -370,6 +401,11 @@ class ProcessSupervisor:
 
     def _fail(self, process: _RunningProcess, returncode: int) -> ProcessFailure:
         self._console.end_progress()
+        server = self._fork_server
+        server_code = server.exited_early() if server is not None else None
+        if process.forked and server is not None and server_code is not None:
+            logger.error("the fork server (pid %d) exited with %d, and its children with it",
+                         server.pid, server_code)
         logger.error("%s exited with %d; stopping all processes", process.spec.name, returncode)
         self.stop()
         return ProcessFailure(
@@ -392,6 +428,8 @@ class ProcessSupervisor:
         try:
             self._console.end_progress()  # the reports that follow start on a line of their own
             self._terminate_then_kill(self.grace_s if grace_s is None else grace_s)
+            if self._fork_server is not None:
+                self._fork_server.close()
             self._stopped = True
         finally:
             if in_main_thread:

@@ -94,6 +94,10 @@ def test_role_names_follow_realrls_processes_and_their_children():
     verifier = ["/venv/bin/python", "-I", "/src/realrl/rewards/_math_worker.py", "4096", "[]"]
     assert role_name(verifier, "worker1") == "worker1/math_worker"
     assert role_name(["/usr/bin/wandb-core", "--port"], "master") == "master/wandb-core"
+    server = ["/venv/bin/python", "-m", "realrl.launcher.forkserver", "5", "--for", "/r"]
+    assert role_name(server, "launcher", "python") == "fork_server"
+    assert role_name(server, "fork_server", "realrl-worker1") == "worker1"
+    assert role_name(server, "fork_server", "realrl-master") == "master"
 
 
 def test_soak_script_runs_a_short_ppo_math_and_writes_samples_and_summary(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -128,6 +129,16 @@ def processes_mentioning(text: str) -> dict[int, str]:
         if text in command and state != "Z":  # a zombie holds nothing; its parent reaps it
             found[int(entry.name)] = command
     return found
+
+
+def worker_pid(run_dir, rank: int) -> int | None:
+    """The pid of model worker `rank` of the run in `run_dir`, read from /proc: forked from
+    the fork server, it has that server's command line and its own name."""
+    for pid in processes_mentioning(str(run_dir)):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == f"realrl-worker{rank}":
+                return pid
+    return None
 
 
 def kill_leftovers(text: str) -> None:

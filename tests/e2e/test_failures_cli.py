@@ -21,17 +21,10 @@ from e2e_helpers import (
     run_cli,
     start_cli,
     wait_until,
+    worker_pid,
 )
 
 STOP_DEADLINE_S = 10.0
-
-
-def worker_pid(run_dir, rank: int) -> int | None:
-    """The pid of model worker `rank` of the run in `run_dir`, read from /proc."""
-    for pid, command in processes_mentioning(str(run_dir)).items():
-        if "realrl.launcher.entry" in command and command.rstrip().endswith(f"--rank {rank}"):
-            return pid
-    return None
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from e2e_helpers import (
     run_cli,
     start_cli,
     wait_until,
+    worker_pid,
 )
 
 STALL_INJECTION = Path(__file__).parent / "stall_injection"
@@ -54,8 +55,8 @@ def test_a_stopped_worker_ends_the_run_with_a_diagnosis_and_no_orphans(
     try:
         wait_until(lambda: (run_dir / "metrics.jsonl").is_file(), 240, "the first step", launcher)
         run_pids = processes_mentioning(str(run_dir))
-        worker1 = next(pid for pid, command in run_pids.items()
-                       if command.rstrip().endswith("--rank 1"))
+        worker1 = worker_pid(run_dir, 1)
+        assert worker1 is not None, run_pids
         os.kill(worker1, signal.SIGSTOP)
         returncode = launcher.wait(timeout=STOP_BOUND_S)
         leftovers = processes_mentioning(str(run_dir))

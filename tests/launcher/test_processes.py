@@ -1,4 +1,8 @@
-"""Real child processes: success, failure propagation, SIGKILL escalation, no orphans."""
+"""Real child processes: success, failure propagation, SIGKILL escalation, no orphans.
+
+Each supervision test runs twice: with children started as their own interpreters, and with
+children forked from a fork server (`preload`, `realrl.launcher.forkserver`), which must not
+change what the supervisor sees or does."""
 
 import io
 import json
@@ -66,13 +70,18 @@ def _wait_for_file_code(path: Path) -> str:
     return f"import os, time\nwhile not os.path.exists({str(path)!r}):\n    time.sleep(0.02)\n"
 
 
-@pytest.fixture
-def supervise():
+# Children started as interpreters, or forked from a server that imported these modules.
+START_MODES = [pytest.param((), id="exec"), pytest.param(("json",), id="forked")]
+
+
+@pytest.fixture(params=START_MODES)
+def supervise(request):
     """Start a ProcessSupervisor; whatever a test does, its children are stopped at teardown."""
     started: list[ProcessSupervisor] = []
 
     def start(specs: list[ProcessSpec], **options) -> ProcessSupervisor:
         options.setdefault("console", io.StringIO())
+        options.setdefault("preload", request.param)
         supervisor = ProcessSupervisor(specs, **options)
         started.append(supervisor)
         supervisor.start()
@@ -83,8 +92,9 @@ def supervise():
         supervisor.stop(grace_s=0.5)
 
 
+@pytest.mark.parametrize("preload", START_MODES)
 def test_all_processes_succeeding_returns_zero_with_logs_and_prefixed_console(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, preload
 ):
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     code = """
@@ -96,7 +106,7 @@ def test_all_processes_succeeding_returns_zero_with_logs_and_prefixed_console(
     """
     specs = [_spec(tmp_path, "master", code, 1), _spec(tmp_path, "worker 0", code, 2)]
     console = io.StringIO()
-    with ProcessSupervisor(specs, console=console) as supervisor:
+    with ProcessSupervisor(specs, console=console, preload=preload) as supervisor:
         supervisor.start()
         assert supervisor.wait(poll_interval_s=0.05) == 0
 
@@ -244,13 +254,13 @@ import json, os, sys
 from pathlib import Path
 from realrl.launcher.processes import ProcessSpec, ProcessSupervisor, SupervisorInterrupted
 
-out = Path(sys.argv[1])
+out, preload = Path(sys.argv[1]), tuple(filter(None, sys.argv[2].split(",")))
 specs = [
     ProcessSpec(f"sleeper {index}", [sys.executable, "-c", "import time; time.sleep(60)"],
                 {}, out / f"sleeper{index}.log", f"[sleeper {index}]", 1)
     for index in range(2)
 ]
-with ProcessSupervisor(specs, grace_s=2.0) as supervisor:
+with ProcessSupervisor(specs, grace_s=2.0, preload=preload) as supervisor:
     supervisor.start()
     (out / "pids.tmp").write_text(json.dumps(supervisor.pids))
     os.rename(out / "pids.tmp", out / "pids.json")
@@ -261,13 +271,14 @@ with ProcessSupervisor(specs, grace_s=2.0) as supervisor:
 """
 
 
-@pytest.fixture
-def supervisor_process(tmp_path):
+@pytest.fixture(params=START_MODES)
+def supervisor_process(tmp_path, request):
     """A supervisor in its own process (killed at teardown) and its children's pids."""
     script = tmp_path / "supervisor.py"
     script.write_text(SUPERVISOR_SCRIPT)
     supervisor = subprocess.Popen(
-        [PYTHON, str(script), str(tmp_path)], env={**os.environ, **CHILD_ENV},
+        [PYTHON, str(script), str(tmp_path), ",".join(request.param)],
+        env={**os.environ, **CHILD_ENV},
         preexec_fn=default_sigint,
     )
     try:
@@ -376,6 +387,7 @@ from realrl.launcher.processes import (ProcessSpec, ProcessSupervisor, RunPreemp
                                        SupervisorInterrupted)
 
 out, on_usr1 = Path(sys.argv[1]), sys.argv[2]
+preload = tuple(filter(None, sys.argv[3].split(",")))
 master = (
     "import signal, sys, time\\n"
     "def stop(number, frame):\\n"
@@ -391,7 +403,7 @@ specs = [
     ProcessSpec("worker", [sys.executable, "-c", "import time; time.sleep(60)"], {},
                 out / "worker.log", "[worker]", 1),
 ]
-with ProcessSupervisor(specs, grace_s=0.5) as supervisor:
+with ProcessSupervisor(specs, grace_s=0.5, preload=preload) as supervisor:
     supervisor.start()
     (out / "pids.tmp").write_text(json.dumps(supervisor.pids))
     os.rename(out / "pids.tmp", out / "pids.json")
@@ -405,11 +417,12 @@ with ProcessSupervisor(specs, grace_s=0.5) as supervisor:
 """
 
 
-def _start_graceful_supervisor(tmp_path, on_usr1: str):
+def _start_graceful_supervisor(tmp_path, on_usr1: str, preload: tuple[str, ...]):
     script = tmp_path / "supervisor.py"
     script.write_text(GRACEFUL_SUPERVISOR_SCRIPT)
     supervisor = subprocess.Popen(
-        [PYTHON, str(script), str(tmp_path), on_usr1], env={**os.environ, **CHILD_ENV},
+        [PYTHON, str(script), str(tmp_path), on_usr1, ",".join(preload)],
+        env={**os.environ, **CHILD_ENV},
         stdout=subprocess.PIPE, text=True, preexec_fn=default_sigint,
     )
     child_pids = list(json.loads(_read_when_written(tmp_path / "pids.json")).values())
@@ -417,8 +430,10 @@ def _start_graceful_supervisor(tmp_path, on_usr1: str):
     return supervisor, child_pids
 
 
-def test_sigterm_asks_a_graceful_process_to_stop_and_its_exit_75_ends_the_run(tmp_path):
-    supervisor, child_pids = _start_graceful_supervisor(tmp_path, "checkpoint")
+@pytest.mark.parametrize("preload", START_MODES)
+def test_sigterm_asks_a_graceful_process_to_stop_and_its_exit_75_ends_the_run(tmp_path,
+                                                                               preload):
+    supervisor, child_pids = _start_graceful_supervisor(tmp_path, "checkpoint", preload)
     try:
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=15) == 75
@@ -433,8 +448,9 @@ def test_sigterm_asks_a_graceful_process_to_stop_and_its_exit_75_ends_the_run(tm
     assert not any(_is_alive(pid) for pid in child_pids)
 
 
-def test_a_second_sigterm_stops_a_run_that_does_not_stop_by_itself(tmp_path):
-    supervisor, child_pids = _start_graceful_supervisor(tmp_path, "ignore")
+@pytest.mark.parametrize("preload", START_MODES)
+def test_a_second_sigterm_stops_a_run_that_does_not_stop_by_itself(tmp_path, preload):
+    supervisor, child_pids = _start_graceful_supervisor(tmp_path, "ignore", preload)
     try:
         supervisor.send_signal(signal.SIGTERM)
         assert _wait_until(lambda: "master got SIGUSR1" in

@@ -79,7 +79,7 @@ def test_the_launcher_removes_the_core_share_file_and_makes_none_when_off(tmp_pa
     class Stopped(Exception):
         pass
 
-    def supervisor_that_stops(specs):  # the run ends before any process starts
+    def supervisor_that_stops(specs, **options):  # the run ends before any process starts
         made.extend(CoreShareSpec.from_env(spec.env[environment.CORE_SHARE]).path
                     for spec in specs if environment.CORE_SHARE in spec.env)
         raise Stopped
