@@ -132,14 +132,13 @@ class ForkServer:
         reply = self._replies.get()
         if "pid" not in reply:
             os.close(read_fd)
-            raise self._failed(name, reply.get("error", "it exited"))
-        with self._changed:
-            self._pids.append(reply["pid"])
+            raise self._failed(name, reply["error"], exiting=reply.get("gone", False))
         return ForkedProcess(self, reply["pid"], read_fd)
 
-    def _failed(self, name: str, why: str) -> ForkServerError:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._popen.wait(timeout=5.0)  # it stopped answering: it is exiting
+    def _failed(self, name: str, why: str, exiting: bool = True) -> ForkServerError:
+        if exiting:  # wait for its exit code
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._popen.wait(timeout=5.0)
         code = self._popen.poll()
         state = "running" if code is None else f"exited with code {code}"
         return ForkServerError(
@@ -166,15 +165,17 @@ class ForkServer:
             if not data:
                 break
             message = json.loads(data)
-            if "exited" in message:
-                with self._changed:
+            with self._changed:
+                if "exited" in message:
                     self._exits[message["exited"]] = message["returncode"]
                     self._changed.notify_all()
-            else:
+                elif "pid" in message:
+                    self._pids.append(message["pid"])
+            if "exited" not in message:
                 self._replies.put(message)
         # The server reports every child's exit before its own, unless it was killed: then
         # its children died with it (their parent-death signal), unreported.
-        self._replies.put({"error": "it stopped answering"})
+        self._replies.put({"error": "it stopped answering", "gone": True})
         with self._changed:
             for pid in self._pids:
                 self._exits.setdefault(pid, -signal.SIGKILL)

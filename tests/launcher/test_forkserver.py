@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ import pytest
 from realrl.api.config import ConfigError
 from realrl.api.environment import fork_server_enabled
 from realrl.launcher.forkserver import ForkServerError, forkable
-from realrl.launcher.processes import ProcessSpec, ProcessSupervisor
+from realrl.launcher.processes import ProcessFailure, ProcessSpec, ProcessSupervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,6 +78,31 @@ def test_a_fork_server_that_cannot_import_its_modules_stops_the_start_and_says_s
     assert "cannot start process 'master': the fork server" in message
     assert "exited with code 1" in message and "REALRL_FORK_SERVER=0" in message
     supervisor.stop()
+
+
+def test_a_killed_fork_server_takes_its_children_and_the_run_stops(tmp_path, caplog):
+    specs = [_spec(tmp_path, "worker0", ["-c", "import time; time.sleep(60)"], {})]
+    with ProcessSupervisor(specs, console=io.StringIO(), preload=("json",)) as supervisor:
+        supervisor.start()
+        server = supervisor._fork_server
+        assert server is not None
+        child = supervisor.pids["worker0"]
+        os.kill(server.pid, signal.SIGKILL)
+        with pytest.raises(ProcessFailure, match="'worker0' .* was killed by SIGKILL"):
+            supervisor.wait(poll_interval_s=0.05)
+    assert f"the fork server (pid {server.pid}) exited with -9" in caplog.text
+    deadline = time.monotonic() + 5
+    while _is_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _is_alive(child)  # died with its parent
+
+
+def _is_alive(pid: int) -> bool:
+    """False once gone or a zombie (whoever adopted it may not reap it at once)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
 
 
 def test_only_this_interpreter_with_m_or_c_is_forked():
