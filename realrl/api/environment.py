@@ -28,7 +28,7 @@ CACHE = "REALRL_CACHE"
 SHARED_MEMORY = "REALRL_SHARED_MEMORY"
 # "0" makes the local launcher start the master and each worker as its own interpreter instead
 # of forking them from one process that imported torch and realrl once
-# (`realrl.launcher.forkserver`). Forking is Linux only.
+# (`realrl.launcher.forkserver`). Forking is Linux only, and for CPU workers only.
 FORK_SERVER = "REALRL_FORK_SERVER"
 
 

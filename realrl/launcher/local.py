@@ -20,7 +20,7 @@ from realrl.api import environment
 from realrl.api.config import BaseExperimentConfig, usable_cores
 from realrl.api.ports import free_port
 from realrl.launcher.forkserver import ENTRY_MODULES
-from realrl.launcher.plan import LaunchPlan
+from realrl.launcher.plan import LaunchPlan, workers_without_gpus
 from realrl.launcher.prepare import preemption_message, prepare_run
 from realrl.launcher.processes import (
     ProcessFailure,
@@ -39,7 +39,10 @@ def run_locally(config: BaseExperimentConfig) -> int:
     plan = prepared.plan
     core_share = create_share_file(len(plan.workers)) if config.share_idle_cores else None
     try:
-        preload = ENTRY_MODULES if environment.fork_server_enabled() else ()
+        # Not where the workers have GPUs yet: CUDA breaks in a process forked after it was
+        # touched, and this path has not run on a GPU.
+        forked = environment.fork_server_enabled() and workers_without_gpus(config)
+        preload = ENTRY_MODULES if forked else ()
         supervisor = ProcessSupervisor(process_specs(config, plan, free_port(), core_share),
                                        preload=preload)
         return _supervise(supervisor, prepared.run_dir)

@@ -96,6 +96,36 @@ def test_the_launcher_removes_the_core_share_file_and_makes_none_when_off(tmp_pa
         assert not any(path.exists() for path in made)
 
 
+@pytest.mark.parametrize(("setting", "gpus", "forked"),
+                         [(None, False, True), ("0", False, False), (None, True, False)])
+def test_cpu_workers_are_forked_from_the_fork_server_unless_switched_off(
+    tmp_path, monkeypatch, setting, gpus, forked
+):
+    from realrl.api import config as api_config
+    from realrl.launcher import local, run
+    from realrl.launcher.forkserver import ENTRY_MODULES
+
+    class Stopped(Exception):
+        pass
+
+    preloads = []
+
+    def supervisor_that_stops(specs, preload=()):
+        preloads.append(preload)
+        raise Stopped
+
+    monkeypatch.setattr(local, "ProcessSupervisor", supervisor_that_stops)
+    if setting is None:
+        monkeypatch.delenv(environment.FORK_SERVER, raising=False)
+    else:
+        monkeypatch.setenv(environment.FORK_SERVER, setting)
+    monkeypatch.setattr(api_config, "may_have_gpus", lambda: gpus)
+    config = _config(tmp_path, 2, ["actor.path=''", "allow_oversubscribe=true"])
+    with pytest.raises(Stopped):
+        run.run_experiment(config)
+    assert preloads == [ENTRY_MODULES if forked else ()]
+
+
 def test_the_resume_command_is_the_typed_one_with_recover_mode_auto():
     typed = ["/usr/bin/python3", "-m", "realrl.apps.quickstart", "ppo-math", "recover_mode=disabled",
              "actor.path=/models/my model", "++recover_mode=resume", "seed=3"]
