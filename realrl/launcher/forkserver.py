@@ -100,7 +100,7 @@ class ForkServer:
             self._popen = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(theirs.fileno()), *label, *preload],
                 env=env, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
-                start_new_session=True, preexec_fn=lambda: _die_with_parent(parent_pid))
+                start_new_session=True, preexec_fn=parent_death_signal_setter(parent_pid))
         finally:
             theirs.close()
         self._socket = ours
@@ -209,11 +209,20 @@ def _prctl(option: int, value: int | bytes) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent dies; exit now if the parent is gone already."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
+def parent_death_signal_setter(parent_pid: int):
+    """A function (a Popen preexec_fn) that has the calling process SIGKILLed when its parent
+    `parent_pid` dies, and exits at once if it died already (Linux only, else None). `prctl`
+    is resolved here, in the parent, not after the fork."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 def _send(channel: socket.socket, message: dict) -> None:
@@ -276,8 +285,10 @@ def _serve(channel: socket.socket) -> tuple[dict, int] | None:
 
 
 def _become(request: dict, output_fd: int, server_pid: int) -> None:
-    """Turn this fresh child into the process `python -m realrl.launcher.entry` would be."""
-    _die_with_parent(server_pid)
+    """Turn this fresh child into the process `python -m` / `python -c` would have started."""
+    die_with_server = parent_death_signal_setter(server_pid)
+    if die_with_server is not None:
+        die_with_server()
     _prctl(_PR_SET_NAME, f"realrl-{request['name']}"[:15].encode())
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -54,7 +53,13 @@ from typing import IO
 from realrl.api import environment
 from realrl.api.errors import UserFacingError
 from realrl.launcher.console import Console
-from realrl.launcher.forkserver import ForkedProcess, ForkServer, ForkServerError, forkable
+from realrl.launcher.forkserver import (
+    ForkedProcess,
+    ForkServer,
+    ForkServerError,
+    forkable,
+    parent_death_signal_setter,
+)
 from realrl.workers.preemption import PREEMPTED_EXIT_CODE
 
 logger = logging.getLogger(__name__)
@@ -62,7 +67,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_GRACE_S = 5.0
 DEFAULT_LOG_TAIL_LINES = 30
 LOG_ONLY_PREFIX = "(log only) "  # see the module docstring
-_PR_SET_PDEATHSIG = 1
 
 
 def is_log_only(line: str) -> bool:
@@ -152,21 +156,6 @@ class RunPreempted(RuntimeError):
         super().__init__(f"process {name!r} stopped gracefully ({asked})")
 
 
-def _parent_death_signal_setter(parent_pid: int):
-    """A preexec_fn for Popen: SIGKILL this child when the supervisor dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)  # resolved in the parent, not after fork
-    prctl = libc.prctl
-
-    def set_parent_death_signal() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-            os._exit(1)
-
-    return set_parent_death_signal
-
-
 class _RunningProcess:
     """One child, its log file and the thread that copies its output."""
 
@@ -202,7 +191,7 @@ class _RunningProcess:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=_parent_death_signal_setter(os.getpid()),
+                    preexec_fn=parent_death_signal_setter(os.getpid()),
                 )
         except ForkServerError:
             self._log_file.close()
