@@ -44,6 +44,25 @@ single-threaded model workers and runs every MFC data parallel over both (`--rea
 one worker with both threads).
 
     .venv/bin/python benchmarks/bench_rl_step.py --repeats 3 --steps 4 --warmup 1
+
+On one CUDA GPU (`--device cuda`, issue 23's benchmark): every realrl role colocated on the GPU
+(`n_devices_per_node=1`), TRL's `GRPOTrainer` on the same GPU (transformers generation), in one
+run; the loop and `trl-ppo` baselines are CPU-only. The recipe is issue 23's: the
+Qwen2.5-0.5B-shaped model (`--model-size qwen2.5-0.5b`, random weights), 64 prompts x 8
+samples x 512 forced new tokens, bf16, activations bounded by `--max-tokens-per-microbatch`
+(realrl's `<mfc>.max_tokens_per_microbatch` of every forward and train MFC; TRL's
+`--micro-batch`, the completions that fit in that many tokens). Besides the CPU columns: the
+peak of allocated GPU memory per step (largest over MFCs), each decode step's time (generate
+seconds over the forced token count, prefill included) against its floor (the larger of bytes
+moved, bf16 weights plus the KV cache at its mean length, over the measured copy bandwidth, and
+FLOPs over the measured bf16 matmul rate), the training MFU (model FLOPs of the trained models'
+forward and backward over train seconds and the measured bf16 rate), and issue 23's three
+targets checked:
+
+    python3 benchmarks/bench_rl_step.py --device cuda --model-size qwen2.5-0.5b \
+        --batch-size 64 --group-size 8 --max-new-tokens 512 --precisions bfloat16 \
+        --max-tokens-per-microbatch 16384 --systems realrl-grpo,realrl-ppo,trl \
+        --repeats 1 --steps 4 --warmup 1
 """
 
 from __future__ import annotations
@@ -64,6 +83,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import (  # noqa: E402
+    MODEL_SIZES,
     ModelShape,
     ProcessTreeMemory,
     load_average,
@@ -105,6 +125,13 @@ INFERENCE_MFCS = ("rew_inf", "ref_inf", "critic_inf")
 TRAIN_MFCS = ("actor_train", "critic_train")
 # Train calls and their forwards sent ahead (`MFCDef.forward_keys`).
 TRAIN_TIMINGS = (*TRAIN_MFCS, *(f"{name}/forward" for name in TRAIN_MFCS))
+# The systems that run on a GPU (`--device cuda`).
+GPU_SYSTEMS = (*REALRL_GRPO, *REALRL_PPO, "trl")
+PROMPT_TOKENS = 8  # `write_prompt_file`'s prompts: 3-digit + 3-digit, then "="
+# Issue 23's targets on one GPU.
+TARGET_SPEEDUP_OVER_TRL = 3.0
+TARGET_DECODE_X_FLOOR = 2.0
+TARGET_TRAIN_MFU = 0.35
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,10 +156,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl-ppo-path", default=None,
                         help="Folder holding TRL 1.12.0 for the trl-ppo baseline (`pip install "
                              "--no-deps --target DIR trl==1.12.0`); default: <work-dir>/trl-1.12.")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: every system on one GPU (realrl n_devices_per_node=1).")
+    parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
+                        help="bench_setup.MODEL_SIZES: small (3.95M) on CPU, qwen2.5-0.5b on a "
+                             "GPU.")
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=0,
+                        help="Token budget of one forward/backward (realrl's "
+                             "<mfc>.max_tokens_per_microbatch, TRL's --micro-batch); 0: none.")
     parser.add_argument("--baseline-omp-wait-policy", default=None,
                         help="OMP_WAIT_POLICY for the loop and TRL (e.g. PASSIVE, what realrl's "
                              "launcher gives its workers); default: inherited, as a user runs them.")
     return parser.parse_args(argv)
+
+
+def realrl_workers(args) -> int:
+    """n_devices_per_node of the realrl runs: on a GPU one worker holding every role."""
+    return args.realrl_workers or (1 if args.device == "cuda" else 0)
+
+
+def microbatch_overrides(args, system: str) -> list[str]:
+    """`--max-tokens-per-microbatch` as the token budget of every forward and train MFC."""
+    if not args.max_tokens_per_microbatch:
+        return []
+    mfcs = ["actor_train"] if system in REALRL_GRPO else [
+        "actor_train", "critic_train", "ref_inf", "critic_inf"]
+    return [f"{mfc}.max_tokens_per_microbatch={args.max_tokens_per_microbatch}" for mfc in mfcs]
+
+
+def trl_micro_batch(args) -> int:
+    """The most completions per TRL forward/backward within the token budget that divide the
+    batch's completions (0: the whole batch)."""
+    completions = args.batch_size * args.group_size
+    if not args.max_tokens_per_microbatch:
+        return 0
+    fits = max(1, args.max_tokens_per_microbatch // (PROMPT_TOKENS + args.max_new_tokens))
+    return max(n for n in range(1, min(fits, completions) + 1) if completions % n == 0)
 
 
 def realrl_command(args, system: str, mode: str, dtype: str, run_root: Path, trial: str):
@@ -144,9 +203,10 @@ def realrl_command(args, system: str, mode: str, dtype: str, run_root: Path, tri
         f"gen.max_new_tokens={args.max_new_tokens}",
         f"gen.min_new_tokens={args.max_new_tokens if mode == 'fixed' else 0}",
         *[f"{role}.dtype={dtype}" for role in roles],
-        "actor.optimizer.lr=1e-4", f"n_devices_per_node={args.realrl_workers}",
+        "actor.optimizer.lr=1e-4", f"n_devices_per_node={realrl_workers(args)}",
         f"total_train_steps={args.steps}", "wandb.mode=disabled", "tensorboard=false",
         f"output_root={run_root}", f"experiment_name={system}", f"trial_name={trial}",
+        *microbatch_overrides(args, system),
         *REALRL_SYSTEMS[system],
     ]
 
@@ -158,6 +218,8 @@ def baseline_command(args, system: str, mode: str, dtype: str, output: Path) -> 
                "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--group-size", str(args.group_size), "--max-new-tokens",
                str(args.max_new_tokens), "--dtype", dtype, "--threads", str(args.threads)]
+    if system == "trl":
+        command += ["--device", args.device, "--micro-batch", str(trl_micro_batch(args))]
     return command + (["--fixed-length"] if mode == "fixed" else [])
 
 
@@ -168,6 +230,9 @@ def realrl_step_rows(metrics_file: Path, num_seqs: int) -> list[dict]:
         timing = {k[len("timing/"):]: v for k, v in metrics.items() if k.startswith("timing/")}
         realloc = sum(v for k, v in timing.items() if k.startswith("realloc/"))
         step = metrics["timing/step_s"]
+        # On CUDA the most bytes torch allocated during each call (on CPU a resident set).
+        peaks = {k[: -len("/peak_memory_gb")]: v for k, v in metrics.items()
+                 if k.endswith("/peak_memory_gb")}
         rows.append({
             "step": metrics["step"], "step_s": step, "generate_s": timing.get("actor_gen", 0.0),
             "inference_s": sum(timing.get(name, 0.0) for name in INFERENCE_MFCS),
@@ -177,6 +242,7 @@ def realrl_step_rows(metrics_file: Path, num_seqs: int) -> list[dict]:
             else float("nan"),
             "realloc_s": realloc,
             "generated_tokens": num_seqs * metrics.get("actor_gen/response_length", 0.0),
+            "peak_memory_gb": max(peaks.values(), default=None), "peak_memory_gb_by_mfc": peaks,
         })
     return rows
 
@@ -269,6 +335,9 @@ def summarise(args, runs: list[dict], ceilings: dict[str, float]) -> list[dict]:
         # steps (a late recompile, a garbage collection), which a user's wall clock does.
         mean_step_s = statistics.mean(s["step_s"] for s in steps)
         flops_per_s = step_flops(args, system, tokens) / step_s if tokens == tokens else None
+        peaks = [s["peak_memory_gb"] for s in steps if s.get("peak_memory_gb") is not None]
+        gpu = gpu_columns(args, system, mode, dtype, parts, ceilings) if args.device == "cuda" \
+            else {}
         summaries.append({
             "system": system, "mode": mode, "dtype": dtype,
             "step_s": median_and_spread(per_run), "mean_step_s": mean_step_s, **parts,
@@ -281,8 +350,112 @@ def summarise(args, runs: list[dict], ceilings: dict[str, float]) -> list[dict]:
             "run_cpu_s": statistics.median(r["cpu_s"] for r in group),
             "load_average": statistics.median(r["load_average_before"] for r in group),
             "run_wall_s": statistics.median(r["wall_s"] for r in group),
+            "peak_gpu_memory_gb": max(peaks) if args.device == "cuda" and peaks else None,
+            **gpu,
         })
     return summaries
+
+
+def gpu_columns(args, system: str, mode: str, dtype: str, parts: dict,
+                ceilings: dict[str, float]) -> dict:
+    """Decode step time against its floor and training MFU (`--device cuda`); None where the
+    system's steps are not split by call (TRL) or, for decode, responses are not forced to
+    one length."""
+    from bench_gpu_generation import decode_floor_s
+
+    config = json.loads((Path(args.model_dir) / "config.json").read_text())
+    shape = ModelShape.from_config_dir(args.model_dir)
+    num_seqs = args.batch_size * args.group_size
+    seq_len = PROMPT_TOKENS + args.max_new_tokens
+    rates = {"bandwidth_bytes_per_s": ceilings["bandwidth_gb_per_s"] * 1e9,
+             "bf16_flops_per_s": ceilings["bfloat16"] * 1e9}
+    floor_s = decode_floor_s(config, shape.matmul_params, num_seqs,
+                             PROMPT_TOKENS + args.max_new_tokens / 2, rates)
+    generate_s, train_s = parts["generate_s"], parts["train_s"]
+    decode_s = (generate_s / args.max_new_tokens
+                if mode == "fixed" and generate_s == generate_s and generate_s > 0 else None)
+    # Forward and backward of the actor and, in PPO, of the critic: the same trunk with a
+    # one-output value head in place of the LM head.
+    actor_flops = 3.0 * shape.forward_flops(num_seqs * seq_len, seq_len / 2)
+    lm_head_flops = 3.0 * 2.0 * config["hidden_size"] * config["vocab_size"] * num_seqs * seq_len
+    train_flops = actor_flops + (actor_flops - lm_head_flops if system in PPO_SYSTEMS else 0.0)
+    mfu = (train_flops / train_s / (ceilings[dtype] * 1e9)
+           if train_s == train_s and train_s > 0 else None)
+    return {"decode_ms_per_step": decode_s * 1e3 if decode_s else None,
+            "decode_floor_ms": floor_s * 1e3,
+            "decode_x_floor": decode_s / floor_s if decode_s else None,
+            "train_mfu": mfu}
+
+
+def format_gpu_table(summaries: list[dict]) -> str:
+    def number(value, digits=2):
+        return "-" if value is None or value != value else f"{value:.{digits}f}"
+
+    lines = ["| mode | dtype | system | s/step | gen s | train s | gen tok/s | decode ms/step | "
+             "floor ms | x floor | train MFU | peak GPU GB |", "|" + "---|" * 12]
+    for s in summaries:
+        mfu = s.get("train_mfu")
+        lines.append(
+            f"| {s['mode']} | {s['dtype']} | {s['system']} | {number(s['step_s']['median'])} | "
+            f"{number(s['generate_s'])} | {number(s['train_s'])} | "
+            f"{number(s['generated_tokens_per_s'], 0)} | {number(s.get('decode_ms_per_step'))}"
+            f" | {number(s.get('decode_floor_ms'))} | {number(s.get('decode_x_floor'), 1)} | "
+            f"{number(100 * mfu if mfu is not None else None, 1)}% | "
+            f"{number(s.get('peak_gpu_memory_gb'), 1)} |")
+    return "\n".join(lines)
+
+
+def gpu_targets(summaries: list[dict], num_seqs: int) -> list[str]:
+    """Issue 23's targets against the measured summaries: realrl's GRPO step against TRL's,
+    decode against its floor at this batch, training MFU."""
+    lines = []
+    by_key = {(s["mode"], s["dtype"], s["system"]): s for s in summaries}
+    for (mode, dtype, system), s in sorted(by_key.items()):
+        trl = by_key.get((mode, dtype, "trl"))
+        if system in REALRL_GRPO and trl is not None:
+            ratio = trl["step_s"]["median"] / s["step_s"]["median"]
+            lines.append(f"{mode} {dtype} {system}: step {ratio:.2f}x TRL's (target >= "
+                         f"{TARGET_SPEEDUP_OVER_TRL:.0f}x: "
+                         f"{'met' if ratio >= TARGET_SPEEDUP_OVER_TRL else 'not met'})")
+        if s.get("decode_x_floor") is not None:
+            x = s["decode_x_floor"]
+            lines.append(f"{mode} {dtype} {system}: decode {x:.1f}x its floor at batch {num_seqs}"
+                         f" (target <= {TARGET_DECODE_X_FLOOR:.0f}x: "
+                         f"{'met' if x <= TARGET_DECODE_X_FLOOR else 'not met'})")
+        if s.get("train_mfu") is not None:
+            mfu = s["train_mfu"]
+            lines.append(f"{mode} {dtype} {system}: training MFU {100 * mfu:.1f}% (target > "
+                         f"{100 * TARGET_TRAIN_MFU:.0f}%: "
+                         f"{'met' if mfu > TARGET_TRAIN_MFU else 'not met'})")
+    return lines
+
+
+def machine_info(device: str) -> dict:
+    """What the numbers were measured on: the GPU, its driver and torch's CUDA, or the CPU."""
+    info = {"torch": torch.__version__, "cpus": os.cpu_count()}
+    if device == "cuda":
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=False).stdout.strip()
+        info |= {"gpu": torch.cuda.get_device_name(), "driver": driver,
+                 "cuda": torch.version.cuda}
+    return info
+
+
+def measure_ceilings(args) -> dict[str, float]:
+    """Matmul GFLOP/s per dtype on `--device` (and on CUDA the copy bandwidth, GB/s)."""
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+        return {"float32": measure_matmul_gflops(torch.float32),
+                "bfloat16": measure_matmul_gflops(torch.bfloat16)}
+    from bench_gpu_generation import measured_ceilings
+
+    gpu = measured_ceilings()
+    ceilings = {"float32": measure_matmul_gflops(torch.float32, 8192, 2.0, "cuda"),
+                "bfloat16": gpu["bf16_flops_per_s"] / 1e9,
+                "bandwidth_gb_per_s": gpu["bandwidth_bytes_per_s"] / 1e9}
+    torch.cuda.empty_cache()  # the runs are other processes: give them the memory
+    return ceilings
 
 
 def format_table(summaries: list[dict]) -> str:
@@ -335,6 +508,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.work_dir = Path(args.work_dir).resolve()
     systems = [s for s in args.systems.split(",") if s]
+    if args.device == "cuda" and (cpu_only := [s for s in systems if s not in GPU_SYSTEMS]):
+        raise SystemExit(f"--device cuda runs {', '.join(GPU_SYSTEMS)}; {', '.join(cpu_only)} "
+                         "run on CPU only: leave them out of --systems")
     if "trl" in systems and importlib.util.find_spec("trl") is None:
         logger.warning("trl is not installed: skipping the TRL baseline")
         systems.remove("trl")
@@ -344,13 +520,12 @@ def main(argv: list[str] | None = None) -> None:
                        "trl==1.12.0): skipping the trl-ppo baseline",
                        args.trl_ppo_path, args.trl_ppo_path)
         systems.remove("trl-ppo")
-    args.model_dir = write_benchmark_model(args.work_dir / "model-small", "small")
+    args.model_dir = write_benchmark_model(args.work_dir / f"model-{args.model_size}",
+                                           args.model_size)
     args.prompt_file = write_prompt_file(args.work_dir / "prompts.jsonl")
-    torch.set_num_threads(args.threads)
-    ceilings = {"float32": measure_matmul_gflops(torch.float32),
-                "bfloat16": measure_matmul_gflops(torch.bfloat16)}
-    logger.info("matmul ceiling on %d threads: %.0f GFLOP/s fp32, %.0f GFLOP/s bf16",
-                args.threads, ceilings["float32"], ceilings["bfloat16"])
+    ceilings = measure_ceilings(args)
+    logger.info("matmul ceiling on %s: %.0f GFLOP/s fp32, %.0f GFLOP/s bf16", args.device,
+                ceilings["float32"], ceilings["bfloat16"])
     runs = []
     for repeat in range(args.repeats):
         for mode in args.modes.split(","):
@@ -359,9 +534,14 @@ def main(argv: list[str] | None = None) -> None:
                     runs.append(run_one(args, system, mode, dtype, repeat))
     summaries = summarise(args, runs, ceilings)
     result = {"ceilings_gflops": ceilings, "threads": args.threads, "summaries": summaries,
-              "runs": runs, "argv": sys.argv[1:]}
+              "runs": runs, "argv": sys.argv[1:], "machine": machine_info(args.device)}
+    if args.device == "cuda":
+        result["targets"] = gpu_targets(summaries, args.batch_size * args.group_size)
     (args.work_dir / "results.json").write_text(json.dumps(result, indent=1))
     sys.stdout.write(format_table(summaries) + "\n\n" + "\n".join(speedups(runs)) + "\n")
+    if args.device == "cuda":
+        sys.stdout.write("\n" + format_gpu_table(summaries) + "\n\n"
+                         + "\n".join(result["targets"]) + "\n")
     sys.stdout.write(f"matmul ceiling: {ceilings['float32']:.0f} GFLOP/s fp32, "
                      f"{ceilings['bfloat16']:.0f} GFLOP/s bf16; results in "
                      f"{args.work_dir / 'results.json'}\n")

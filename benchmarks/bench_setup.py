@@ -67,8 +67,10 @@ def write_prompt_file(path: str | Path, num_prompts: int = 512, seed: int = 0) -
     return path
 
 
-def baseline_arguments(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line that `bench_rl_step.py` gives every baseline script."""
+def baseline_arguments(description: str, argv: list[str] | None = None,
+                       gpu: bool = False) -> argparse.Namespace:
+    """The command line that `bench_rl_step.py` gives every baseline script; with `gpu`, also
+    `--device` and `--micro-batch` (the baselines that run on a GPU)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="HF checkpoint directory.")
     parser.add_argument("--prompts", required=True, help="Prompt JSONL (prompt, answer).")
@@ -83,6 +85,12 @@ def baseline_arguments(description: str, argv: list[str] | None = None) -> argpa
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
+    if gpu:
+        parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+        parser.add_argument("--micro-batch", type=int, default=0,
+                            help="Completions per forward/backward, the batch's gradients "
+                                 "accumulated over them (one optimizer step per batch); 0: the "
+                                 "whole batch.")
     return parser.parse_args(argv)
 
 
@@ -126,17 +134,22 @@ def rl_step_flops(shape: ModelShape, num_seqs: int, prompt_len: int, response_le
     return generation + num_forward_passes * forward + num_trained_models * 3.0 * forward
 
 
-def measure_matmul_gflops(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> float:
-    """Best-of-repeats square matmul throughput with the current torch thread count."""
-    left = torch.randn(size, size, dtype=dtype)
-    right = torch.randn(size, size, dtype=dtype)
+def measure_matmul_gflops(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0,
+                          device: str = "cpu") -> float:
+    """Best-of-repeats square matmul throughput: on CPU with the current torch thread count,
+    on CUDA (`device="cuda"`, use `size=8192`) with torch's default matmul precision."""
+    left = torch.randn(size, size, dtype=dtype, device=device)
+    right = torch.randn(size, size, dtype=dtype, device=device)
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     left @ right  # warm-up
     best = 0.0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
+        synchronize()
         started = time.perf_counter()
         for _ in range(4):
             left @ right
+        synchronize()
         elapsed = time.perf_counter() - started
         best = max(best, 4 * 2.0 * size**3 / elapsed / 1e9)
     return best
