@@ -4,8 +4,9 @@ Written against vLLM 0.33.0 (the PyPI release, built from commit 4ba787ec9, whic
 torch 2.14.0), read from that release's source. It has never run: no GPU with vLLM has been
 available to this project. `tests/models/test_vllm_generation.py` checks on CPU the
 parameter mapping and the output conversion, and, where vllm is importable, every vLLM
-callable this module uses against the installed signatures; its GPU test is the first that
-would run it.
+callable this module uses against the installed signatures and vLLM's own config classes built
+from the values passed here (`benchmarks/vllm_api_check.sh` runs them against vllm 0.33.0 on a
+CPU machine); its GPU test is the first that would run it.
 
 What it does, per `generate` call of the actor (`VLLMGenerator.generate`):
 1. builds, on the first call, a `vllm.LLM` on this worker's GPU with sleep mode, random
@@ -296,6 +297,19 @@ def engine_kwargs(module: Transformer, model_directory: str,
     }
 
 
+def ipc_update_info(tensors: dict[str, torch.Tensor],
+                    handles: list[dict[str, tuple]]) -> dict[str, Any]:
+    """The `update_info` of one push: vLLM's `IPCWeightTransferUpdateInfo` fields for `tensors`
+    (HF names) and their CUDA IPC `handles` (per tensor, {GPU UUID: `reduce_tensor` args}),
+    the handles pickled (the engine unpickles them with VLLM_ALLOW_INSECURE_SERIALIZATION)."""
+    return _checked("vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferUpdateInfo", {
+        "names": list(tensors),
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
+    })
+
+
 @contextlib.contextmanager
 def _engine_environment(device_index: int) -> Iterator[None]:
     """The environment vLLM's engine-core child starts with: this worker's GPU only (vLLM puts
@@ -421,13 +435,7 @@ class VLLMGenerator:
         tensors = {name: tensor.detach().contiguous()
                    for name, tensor in to_hf_state_dict(module).items()}
         handles = [{device_uuid: reduce_tensor(tensor)[1]} for tensor in tensors.values()]
-        update_info = _checked(
-            "vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferUpdateInfo", {
-                "names": list(tensors),
-                "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-                "shapes": [list(t.shape) for t in tensors.values()],
-                "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
-            })
+        update_info = ipc_update_info(tensors, handles)
         llm = self._llm
         llm.start_weight_update(**_checked("vllm.LLM.start_weight_update", {}))
         llm.update_weights(**_checked("vllm.LLM.update_weights", {

@@ -9,7 +9,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
-import typing
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -34,6 +34,7 @@ from realrl.models.vllm_generation import (
     engine_kwargs,
     generation_output,
     hf_config_for_vllm,
+    ipc_update_info,
     prompt_seeds,
     sampling_params_kwargs,
     weights_version,
@@ -353,8 +354,10 @@ def resolve(dotted: str):
 
 def accepted_keywords(target) -> tuple[set[str], bool]:
     """(keyword names `target` accepts, whether it also takes **kwargs)."""
-    if typing.is_typeddict(target):
-        return set(typing.get_type_hints(target)), False
+    # A TypedDict (TokensPrompt) from `typing` or from `typing_extensions`, whose TypedDicts
+    # `typing.is_typeddict` does not recognise on Python < 3.13 (vllm 0.33.0's).
+    if isinstance(target, type) and issubclass(target, dict) and hasattr(target, "__required_keys__"):
+        return set(target.__required_keys__ | target.__optional_keys__), False
     if dataclasses.is_dataclass(target):
         return {f.name for f in dataclasses.fields(target) if f.init}, False
     if hasattr(target, "__struct_fields__"):  # a msgspec.Struct (SamplingParams)
@@ -391,6 +394,57 @@ def test_the_worker_behind_the_llm_weight_update_calls_has_them():
                             ("wake_up", "tags")):
         parameters = inspect.signature(getattr(Worker, method)).parameters
         assert keyword is None or keyword in parameters, (method, keyword)
+
+
+def test_vllm_builds_its_own_configs_from_what_realrl_passes(tiny_qwen2, tmp_path, monkeypatch):
+    """Beyond the keywords: the installed vLLM's own classes validate realrl's values (no GPU
+    needed). Sampling parameters for a sampled, a greedy and an unfiltered config; the prompt;
+    the engine arguments and the model config vLLM derives from realrl's config.json (sleep
+    mode left out off CUDA, where vLLM refuses it); a push's update info, unpickled and checked
+    by vLLM as the engine would."""
+    vllm = pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    stop_ids = [EOS, 7]
+    cases = [
+        (GenerationConfig(n=2, max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=5,
+                          min_new_tokens=1), dict(temperature=0.7, top_p=0.9, top_k=5)),
+        (GenerationConfig(n=1, max_new_tokens=4, greedy=True),
+         dict(temperature=0.0, top_p=1.0, top_k=VLLM_TOP_K_OFF)),
+        (GenerationConfig(n=3, max_new_tokens=4, top_k=0),
+         dict(temperature=1.0, top_p=1.0, top_k=VLLM_TOP_K_OFF)),
+    ]
+    for config, filters in cases:
+        params = vllm.SamplingParams(**sampling_params_kwargs(config, stop_ids), seed=11)
+        got = {key: getattr(params, key) for key in (*filters, "n", "max_tokens", "min_tokens",
+                                                     "stop_token_ids", "logprobs", "seed")}
+        assert got == filters | dict(n=config.n, max_tokens=config.max_new_tokens,
+                                     min_tokens=config.min_new_tokens, stop_token_ids=stop_ids,
+                                     logprobs=0, seed=11)
+    assert vllm.TokensPrompt(prompt_token_ids=[5, 6]) == {"prompt_token_ids": [5, 6]}
+
+    model = tiny_qwen2[0].to(torch.bfloat16)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_for_vllm(model)))
+    arguments = engine_kwargs(model, str(tmp_path), 0.3)
+    if not current_platform.is_sleep_mode_available():
+        arguments["enable_sleep_mode"] = False
+    engine_args = EngineArgs(**arguments)
+    assert engine_args.weight_transfer_config.backend == "ipc"
+    model_config = engine_args.create_model_config()
+    assert model_config.architectures == ["Qwen2ForCausalLM"]
+    assert model_config.dtype == torch.bfloat16
+    assert model_config.max_model_len == model.config.max_position_embeddings
+    assert (model_config.logprobs_mode, model_config.skip_tokenizer_init) == ("raw_logprobs", True)
+
+    tensors = {"model.embed_tokens.weight": torch.zeros(4, 2, dtype=torch.bfloat16),
+               "lm_head.weight": torch.zeros(4, 2)}
+    handles = [{"GPU-uuid": ("rebuild", "args", index)} for index in range(len(tensors))]
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    info = IPCWeightTransferUpdateInfo(**ipc_update_info(tensors, handles))
+    assert (info.names, info.dtype_names, info.shapes, info.ipc_handles) == (
+        list(tensors), ["bfloat16", "float32"], [[4, 2], [4, 2]], handles)
 
 
 # ------------------------------------------------------------------------- on a GPU with vLLM
