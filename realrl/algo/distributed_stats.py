@@ -13,18 +13,31 @@ import torch
 import torch.distributed as dist
 
 
+def group_device(process_group: dist.ProcessGroup) -> torch.device:
+    """Where ``process_group``'s collectives take their tensors: the current CUDA device for
+    NCCL, which has no CPU transport (torch.distributed raises "No backend type associated
+    with device type cpu"), else the CPU (gloo). Model workers set their CUDA device before they
+    join the world (`realrl.launcher.slurm_task.bind_device`), so it is the rank's own GPU."""
+    if dist.get_backend(process_group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """A new tensor holding the SUM of ``tensor`` over ``process_group`` (None: a copy).
+    """A new tensor holding the SUM of ``tensor`` over ``process_group`` (None: a copy), on
+    ``tensor``'s device: reduced where the group's backend can (`group_device`), so that the
+    CPU statistics of a PPO batch (advantages, whitening, group moments) reduce over NCCL too.
 
     ``tensor`` itself keeps this rank's values, so a caller that reduces a local count and
     later needs it again gets the local one, not the global one (`paired_rw` once divided its
     accuracy by the data-parallel size that way). The copy costs nothing next to the
     collective: the statistics reduced here hold a few numbers each.
     """
-    total = tensor.clone()
-    if process_group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
-    return total
+    if process_group is None:
+        return tensor.clone()
+    total = tensor.to(group_device(process_group), copy=True)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
+    return total.to(tensor.device)
 
 
 def masked_moments(

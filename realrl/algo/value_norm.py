@@ -60,9 +60,7 @@ class ValueNormalizer:
         values = values.detach().double().cpu()
         weights = torch.ones_like(values) if mask is None else mask.detach().cpu().double()
         totals = torch.stack([weights.sum(), (values * weights).sum(), (values**2 * weights).sum()])
-        if self.process_group is not None:
-            device = _group_device(self.process_group)
-            totals = all_reduce_sum(totals.to(device), self.process_group).cpu()
+        totals = all_reduce_sum(totals, self.process_group)
         batch_count, batch_sum, batch_sum_sq = totals.unbind()
         if batch_count == 0:
             return
@@ -125,10 +123,3 @@ class ValueNormalizer:
         self.var_floor = float(state["var_floor"])
         for name in ("running_mean", "running_mean_sq", "debiasing_term", "count"):
             setattr(self, name, state[name].to(torch.float64).clone())
-
-
-def _group_device(process_group: dist.ProcessGroup) -> torch.device:
-    """CPU for gloo; the current CUDA device for NCCL (which cannot reduce CPU tensors)."""
-    if dist.get_backend(process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -226,17 +226,15 @@ class DistributedMeans:
         self.add(name, total, 0.0)
         self.fixed_divisors[name] = float(divisor)
 
-    def reduce(
-        self, process_group: dist.ProcessGroup | None, device: torch.device | str = "cpu"
-    ) -> dict[str, float]:
+    def reduce(self, process_group: dist.ProcessGroup | None) -> dict[str, float]:
         names = sorted(self.sums)
         if not names:
             return {}
         values = [_as_float64(self.sums[n]) for n in names] + [
             _as_float64(self.counts[n]) for n in names
         ]
-        vector = torch.stack([v.to(device) for v in values])  # [2 * num_stats] float64
-        sums, counts = all_reduce_sum(vector, process_group).cpu().split(len(names))
+        vector = torch.stack([v.cpu() for v in values])  # [2 * num_stats] float64
+        sums, counts = all_reduce_sum(vector, process_group).split(len(names))
         result = {}
         for name, total, count in zip(names, sums.tolist(), counts.tolist()):
             if name in self.fixed_divisors:
@@ -250,11 +248,3 @@ def _as_float64(value) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().to(torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64)
-
-
-def reduction_device(engine) -> torch.device:
-    """Where collective tensors live: the engine's device (NCCL needs CUDA, gloo takes CPU)."""
-    group = engine.parallel.dp_group
-    if group is not None and dist.get_backend(group) == "nccl":
-        return engine.device
-    return torch.device("cpu")

@@ -27,7 +27,6 @@ from realrl.api.dfg import MicroBatchSpec
 from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import (
     DistributedMeans,
-    reduction_device,
     require_engine,
     require_keys,
     unsupported_call,
@@ -73,10 +72,10 @@ class DPOInterface:
         engine = require_engine(engine, "dpo", "train_step")
         require_keys(data, INPUT_KEYS, "dpo.train_step")
         check_pairs(data)
-        group, device = engine.parallel.dp_group, reduction_device(engine)
+        group = engine.parallel.dp_group
         data = data.select(INPUT_KEYS).to(engine.device)
         num_pairs = float(data.data["prompt_lens"].numel())
-        pair_count = torch.tensor([num_pairs], dtype=torch.float64, device=device)
+        pair_count = torch.tensor([num_pairs], dtype=torch.float64)
         total_pairs = all_reduce_sum(pair_count, group)[0].clamp(min=1)
         microbatches, _, _ = data.split_microbatches(
             microbatch.max_tokens_per_microbatch, microbatch.min_num_microbatches
@@ -109,7 +108,7 @@ class DPOInterface:
         means.add_global_total("loss", stats["loss"])
         for name in ("reward_margin", "accuracy", "chosen_reward", "rejected_reward"):
             means.add(name, stats[name], num_pairs)
-        result = means.reduce(group, device)
+        result = means.reduce(group)
         result["grad_norm"], result["lr"] = stats["grad_norm"], stats["lr"]
         return MFCResult(stats=result)
 

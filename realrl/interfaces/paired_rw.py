@@ -20,7 +20,6 @@ from realrl.interfaces.common import (
     DistributedMeans,
     map_microbatches,
     one_per_sequence,
-    reduction_device,
     require_engine,
     require_keys,
     unsupported_call,
@@ -64,9 +63,8 @@ class PairedRewardInterface:
         check_pairs(data)
         group = engine.parallel.dp_group
         data = data.select(("packed_input_ids",)).to(engine.device)
-        device = reduction_device(engine)
         num_pairs = len(data.seqlens_of("packed_input_ids")) / 2.0  # this rank's
-        pair_count = torch.tensor([num_pairs], dtype=torch.float64, device=device)
+        pair_count = torch.tensor([num_pairs], dtype=torch.float64)
         total_pairs = all_reduce_sum(pair_count, group)[0].clamp(min=1)  # every rank's
         microbatches, _, _ = data.split_microbatches(
             microbatch.max_tokens_per_microbatch, microbatch.min_num_microbatches
@@ -92,7 +90,7 @@ class PairedRewardInterface:
         for name in ("positive_score", "negative_score"):
             means.add(name, stats[name], num_pairs)
         means.add("accuracy", stats["correct"], num_pairs)
-        result = means.reduce(group, device)
+        result = means.reduce(group)
         result["grad_norm"], result["lr"] = stats["grad_norm"], stats["lr"]
         return MFCResult(stats=result)
 

@@ -39,7 +39,6 @@ from realrl.interfaces.common import (
     keeps_forward,
     loss_mask_from_prompt_mask,
     optimizer_step_stats,
-    reduction_device,
     require_engine,
     require_keys,
     sampling_config,
@@ -187,8 +186,8 @@ class PPOActorInterface:
 
     def train_step(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
         engine = require_engine(engine, "ppo_actor", "train_step")
-        group, device = engine.parallel.dp_group, reduction_device(engine)
-        prepared, means = prepare_ppo_batch(self.state, data, group, device)
+        group = engine.parallel.dp_group
+        prepared, means = prepare_ppo_batch(self.state, data, group)
         if self._needs_proximal_forward():
             prepared.update_(shifted_logprobs(engine, prepared, microbatch, "proximal_logprobs"))
         prepared = prepared.to(engine.device)
@@ -211,7 +210,7 @@ class PPOActorInterface:
                     return self._loss(engine.module, forward, part, normaliser, mode)
 
                 step_stats.append(engine.train_microbatches(microbatches, loss_fn))
-        stats = _reduce_train_stats(step_stats, means, group, device, ppo.decoupled_loss)
+        stats = _reduce_train_stats(step_stats, means, group, ppo.decoupled_loss)
         stats.update(self.state.update_kl_controller(stats))
         return MFCResult(stats=stats)
 
@@ -346,7 +345,7 @@ _BEHAVIOUR_STATS = {
 
 
 def _reduce_train_stats(
-    step_stats: list[dict], means: DistributedMeans, group, device, with_behaviour: bool
+    step_stats: list[dict], means: DistributedMeans, group, with_behaviour: bool
 ) -> dict:
     """Global statistics of a train step: one all-reduce for rollout and loss statistics.
 
@@ -363,7 +362,7 @@ def _reduce_train_stats(
         if with_behaviour:
             for reported in _BEHAVIOUR_STATS.values():
                 means.add(reported, stats[f"{reported}_sum"], stats["num_tokens"])
-    result = means.reduce(group, device)
+    result = means.reduce(group)
     result["early_stopped_microbatches"] = result.pop("early_stopped")
     result.update(optimizer_step_stats(step_stats))
     result["optimizer_steps"] = float(num_steps)

@@ -130,7 +130,6 @@ def prepare_ppo_batch(
     state: PPOTrainingState,
     data: SequenceSample,
     process_group: dist.ProcessGroup | None,
-    device: torch.device | str = "cpu",
 ) -> tuple[SequenceSample, DistributedMeans]:
     """Rewards -> token rewards -> advantages and returns for this rank's rollouts.
 

@@ -25,7 +25,6 @@ from realrl.interfaces.common import (
     keeps_forward,
     map_microbatches,
     optimizer_step_stats,
-    reduction_device,
     require_engine,
     require_keys,
     strided_minibatches,
@@ -75,8 +74,8 @@ class PPOCriticInterface:
     def train_step(self, engine, data: SequenceSample, microbatch: MicroBatchSpec) -> MFCResult:
         engine = require_engine(engine, "ppo_critic", "train_step")
         require_keys(data, ("values",), "ppo_critic.train_step")
-        group, device = engine.parallel.dp_group, reduction_device(engine)
-        prepared, means = prepare_ppo_batch(self.state, data, group, device)
+        group = engine.parallel.dp_group
+        prepared, means = prepare_ppo_batch(self.state, data, group)
         prepared = prepared.to(engine.device)
         mode, norm_length = self._aggregation()
         step_stats = []
@@ -102,7 +101,7 @@ class PPOCriticInterface:
             means.add_global_total("value_loss", stats["value_loss"], num_steps)
             for name in ("value_clip_fraction", "value_mean", "returns_mean"):
                 means.add(name, stats[name], stats["num_tokens"])
-        result = means.reduce(group, device)
+        result = means.reduce(group)
         result.update(optimizer_step_stats(step_stats))
         result.update(self.state.update_kl_controller(result))
         return MFCResult(stats=result)

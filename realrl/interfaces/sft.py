@@ -16,7 +16,6 @@ from realrl.interfaces.base import MFCResult
 from realrl.interfaces.common import (
     DistributedMeans,
     loss_mask_from_prompt_mask,
-    reduction_device,
     require_engine,
     require_keys,
     unsupported_call,
@@ -71,7 +70,7 @@ class SFTInterface:
         means = DistributedMeans()
         means.add_global_total("loss", stats["loss"])
         means.add_global_total("tokens", loss_mask.sum())
-        result = means.reduce(group, reduction_device(engine))
+        result = means.reduce(group)
         result["grad_norm"], result["lr"] = stats["grad_norm"], stats["lr"]
         return MFCResult(stats=result)
 
