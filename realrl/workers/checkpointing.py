@@ -90,10 +90,10 @@ def save_worker_state(worker, directory: str) -> None:
     generators = {
         str(layout): hosted.engine.generator.get_state() for layout, hosted in worker.models.items()
     }
-    torch.save(
-        {"torch": torch.get_rng_state(), "generators": generators},
-        root / "rng" / f"rank{worker.rank}.pt",
-    )
+    states = {"torch": torch.get_rng_state(), "generators": generators}
+    if torch.cuda.is_available():  # the current device's default generator (LoRA dropout)
+        states["cuda"] = torch.cuda.get_rng_state()
+    torch.save(states, root / "rng" / f"rank{worker.rank}.pt")
     fsync_tree(root)  # this rank's files, before the master may rename the directory complete
 
 
@@ -236,7 +236,8 @@ def load_worker_state(worker, directory: str) -> None:
     for mfc in worker.plan.mfcs:
         path = root / "interfaces" / f"{mfc.name}.pt"
         if path.is_file() and worker.rank in worker.plan.layout_of(mfc.name).ranks:
-            _load_interface_state(worker, mfc, torch.load(path, weights_only=False))
+            _load_interface_state(worker, mfc, torch.load(path, map_location="cpu",
+                                                           weights_only=False))
     _load_rng_state(worker, root / "rng" / f"rank{worker.rank}.pt")
 
 
@@ -245,10 +246,14 @@ def _load_optimizer_state(engine, role_dir: Path) -> None:
     schedule of a weights-only checkpoint, or a frozen EMA target's fp32 masters."""
     engine.weights_written()  # a bf16 role's fp32 masters take them (saved ones may follow)
     if engine.optimizer is not None and (role_dir / SCHEDULE_FILE).is_file():
-        _resume_schedule_only(engine, torch.load(role_dir / SCHEDULE_FILE, weights_only=False))
+        _resume_schedule_only(engine, torch.load(role_dir / SCHEDULE_FILE, map_location="cpu",
+                                                 weights_only=False))
     elif engine.optimizer is not None or (role_dir / optimizer_file_name(engine)).is_file():
         engine.load_checkpoint_state(
-            torch.load(_optimizer_path(role_dir, engine), weights_only=False)
+            # On the engine's own device: saved CUDA tensors would otherwise load onto the GPU
+            # index they were saved from, another rank's (or none) once the layout changes.
+            torch.load(_optimizer_path(role_dir, engine), map_location=engine.home_device,
+                       weights_only=False)
         )
 
 
@@ -300,8 +305,10 @@ def _load_rng_state(worker, path: Path) -> None:
             worker.rank,
         )
         return
-    rng = torch.load(path, weights_only=False)
+    rng = torch.load(path, map_location="cpu", weights_only=False)
     torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])  # this rank's device (`bind_device`)
     for layout, hosted in worker.models.items():
         if str(layout) in rng["generators"]:
             hosted.engine.generator.set_state(rng["generators"][str(layout)])

@@ -329,3 +329,31 @@ def test_compiled_cuda_graph_steps_match_the_eager_graph_steps(models, prompts):
     graphs = cuda_generate(model, prompts, config, seed=8)
     compiled = cuda_generate(model, prompts, dataclasses.replace(config, compile=True), seed=8)
     assert_same_generation(compiled, graphs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_train_step_frees_the_graphs_kv_caches_and_generation_captures_again(models, prompts):
+    """One GPU, actor colocated: the captured state is released before training (its memory
+    goes back to the allocator's free pool), and the next call captures anew, same tokens."""
+    from realrl.api.experiment import OptimizerConfig
+    from realrl.backends.torch_engine import ParallelContext, TorchEngine
+
+    _, _, directory = models
+    engine = TorchEngine(cuda_model(directory), None, ParallelContext(), OptimizerConfig(lr=0.0))
+    config = GenerationConfig(greedy=True, max_new_tokens=40)
+    ids, cu = prompts[0].cuda(), prompts[1].cuda()
+
+    def train():
+        engine.train_microbatches([None], lambda forward, _: (forward(ids, cu).square().mean(),
+                                                              {}))
+
+    train()  # the optimizer state and gradients exist from here on
+    first = cuda_generate(engine.module, prompts, config)
+    held = torch.cuda.memory_allocated()
+    train()
+    assert engine.module.decode_graphs is None
+    assert torch.cuda.memory_allocated() < held
+    again = cuda_generate(engine.module, prompts, config)  # lr 0: the same weights
+    assert engine.module.decode_graphs.captures > 0
+    assert torch.equal(again.packed_input_ids, first.packed_input_ids)

@@ -43,3 +43,23 @@ def test_offload_moves_weights_to_host_and_back_on_gpu(model_path):
     assert engine.offloaded and engine.device.type == "cpu"
     engine.onload()
     assert engine.device.type == "cuda" and torch.equal(engine.module(ids, cu), before)
+
+
+def test_a_train_step_and_an_offload_free_the_captured_decode_graphs(model_path):
+    """Captured decode graphs hold their KV caches between `generate` calls (CUDA only); a
+    train step on the same module frees them first, and so does an offload."""
+    trained = TorchEngine(load_pretrained(model_path), None, ParallelContext(),
+                          OptimizerConfig(lr=1e-3))
+    ids, cu = torch.tensor([3, 4, 5, 6]), torch.tensor([0, 4], dtype=torch.int32)
+    trained.module.decode_graphs = object()  # what `generate` leaves with gen.cuda_graphs
+
+    def loss_fn(forward, _):
+        return forward(ids, cu).square().mean(), {}
+
+    trained.train_microbatches([None], loss_fn)
+    assert trained.module.decode_graphs is None
+
+    frozen = TorchEngine(load_pretrained(model_path), None, ParallelContext())
+    frozen.module.decode_graphs = object()
+    frozen.offload()
+    assert frozen.module.decode_graphs is None
