@@ -519,8 +519,10 @@ class BaseExperimentConfig:
         "Memory one model worker may use, which each MFC call's measured peak "
         "(`<mfc>/peak_memory_gb`) is compared with: past 85% of it a worker logs once per MFC "
         "a `<mfc>.max_tokens_per_microbatch` that would bring the call to about 70%. Nothing "
-        "is enforced. null: the GPU's memory, or on CPU the machine's (MemTotal or the cgroup "
-        "limit, the smaller) divided by the workers on the node.",
+        "is enforced. null: what the GPU has for the worker at each call (its free memory plus "
+        "what the worker holds there; other processes' memory, e.g. a colocated vLLM engine's, "
+        "not counted), or on CPU the machine's (MemTotal or the cgroup limit, the smaller) "
+        "divided by the workers on the node.",
     )
 
     # ---- hangs (`realrl.workers.watchdog`, `realrl.workers.heartbeat`)

@@ -7,9 +7,12 @@ writing 5 to /proc/self/clear_refs; where that is refused, the peak since the pr
 started). The worker reports it as `<mfc>/peak_memory_gb` (the master keeps the largest over
 the call's ranks).
 
-The limit a worker compares with: `worker_memory_gb` if set, else its GPU's memory, or on CPU
-its share of the machine (the smaller of MemTotal and the cgroup's memory limit, divided by
-the workers on the node).
+The limit a worker compares with, read again at the end of every call: `worker_memory_gb` if
+set; else on CUDA what the GPU has for this process (its free memory plus what this process's
+allocator has reserved: memory other processes hold, such as a colocated vLLM engine's share,
+`gen.vllm_gpu_memory_utilization`, or another worker's, is not this worker's); on CPU its share
+of the machine (the smaller of MemTotal and the cgroup's memory limit, divided by the workers
+on the node).
 
 The hint: when a call's peak passes `NEAR_LIMIT` of the limit, the worker logs once per MFC a
 `<mfc>.max_tokens_per_microbatch` that would bring it to about `TARGET` of the limit, from
@@ -94,9 +97,11 @@ def _reset_resident_peak() -> bool:
 
 
 def memory_limit_bytes(device: torch.device, workers_per_node: int) -> int:
-    """What one worker may use: its GPU's memory, or its share of the machine's memory."""
+    """What one worker may use now: its GPU's free memory plus what it holds there, or its
+    share of the machine's memory."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        free, _ = torch.cuda.mem_get_info(device)  # the whole device's, every process counted
+        return free + torch.cuda.memory_reserved(device)
     limits = [_mem_total_bytes()]
     for path in CGROUP_LIMITS:
         try:
@@ -210,8 +215,12 @@ class MemoryWatch:
     def __init__(self, device: torch.device, workers_per_node: int,
                  limit_bytes: int | None = None) -> None:
         self.peak = PeakMemory(device)
-        self.limit_bytes = limit_bytes or memory_limit_bytes(device, workers_per_node)
+        self.device, self.workers_per_node, self.fixed_limit = device, workers_per_node, limit_bytes
         self.hinted: set[str] = set()
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.fixed_limit or memory_limit_bytes(self.device, self.workers_per_node)
 
     def start(self, engine) -> None:
         if engine is not None:
@@ -222,9 +231,10 @@ class MemoryWatch:
         """The call's peak in GB; logs the hint the first time this MFC nears the limit."""
         memory = self.peak.stop()
         tokens = getattr(engine, "largest_forward_tokens", 0)
-        key = "held" if holds_too_much(memory, self.limit_bytes) else mfc_name
+        limit = self.limit_bytes
+        key = "held" if holds_too_much(memory, limit) else mfc_name
         if key not in self.hinted:
-            hint = near_limit_hint(mfc_name, is_generate, memory, tokens, self.limit_bytes)
+            hint = near_limit_hint(mfc_name, is_generate, memory, tokens, limit)
             if hint is not None:
                 self.hinted.add(key)
                 logger.warning(hint)

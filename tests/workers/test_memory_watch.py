@@ -44,10 +44,18 @@ def test_the_peak_of_one_call_is_measured_and_reset_for_the_next():
     assert second.peak_bytes < first.peak_bytes - 200 * MB
 
 
-def test_the_limit_is_the_gpu_or_a_share_of_the_machine():
+def test_the_limit_is_the_gpu_or_a_share_of_the_machine(monkeypatch):
     whole = memory_limit_bytes(torch.device("cpu"), 1)
     assert whole > 0
     assert memory_limit_bytes(torch.device("cpu"), 4) == whole // 4
+    # CUDA: the device's free memory plus this process's reservation, so that what another
+    # process holds on the GPU (a colocated vLLM engine) is not counted as this worker's.
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 12 * gib)
+    assert memory_limit_bytes(torch.device("cuda", 0), 1) == 42 * gib
+    assert MemoryWatch(torch.device("cuda", 0), 1).limit_bytes == 42 * gib
+    assert MemoryWatch(torch.device("cuda", 0), 1, limit_bytes=gib).limit_bytes == gib
 
 
 def _engine() -> TorchEngine:
