@@ -12,15 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def group_device(process_group: dist.ProcessGroup) -> torch.device:
-    """Where ``process_group``'s collectives take their tensors: the current CUDA device for
-    NCCL, which has no CPU transport (torch.distributed raises "No backend type associated
-    with device type cpu"), else the CPU (gloo). Model workers set their CUDA device before they
-    join the world (`realrl.launcher.slurm_task.bind_device`), so it is the rank's own GPU."""
-    if dist.get_backend(process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+from realrl.backends.worker_device import group_device
 
 
 def all_reduce_sum(tensor: torch.Tensor, process_group: dist.ProcessGroup | None) -> torch.Tensor:

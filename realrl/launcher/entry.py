@@ -73,14 +73,15 @@ def _run_role(args: argparse.Namespace, preemption: PreemptionRequest) -> int:
 
         rendezvous = Rendezvous(host, int(port), is_host=True)
         return run_master(args.run_dir, rendezvous, args.world_size, preemption)
+    from realrl.backends.worker_device import bind_device
     from realrl.launcher import slurm_task
     from realrl.workers.model_worker import serve
 
     rank = args.rank if args.rank is not None else slurm_task.task_rank()
     if args.devices_per_node is not None and slurm_task.under_srun():
-        slurm_task.bind_device(slurm_task.check_placement(rank, args.devices_per_node))
+        bind_device(slurm_task.check_placement(rank, args.devices_per_node))
     else:  # local: worker r uses GPU r of this machine (no-op without GPUs)
-        slurm_task.bind_device(rank)
+        bind_device(rank)
     rendezvous = Rendezvous(host, int(port), is_host=False)
     serve(rendezvous, rank, args.world_size)
     return 0

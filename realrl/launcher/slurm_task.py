@@ -59,21 +59,3 @@ def check_placement(rank: int, devices_per_node: int) -> int:
         )
     logger.info("worker %d on node %d (%s), device %d", rank, node, node_name, device)
     return device
-
-
-def bind_device(device: int) -> None:
-    """Make `device` this process's current CUDA device (the step sees every GPU of the node).
-    A device the process cannot see is refused: two workers on one GPU would fail at their
-    first NCCL collective ("Duplicate GPU detected"), far from the cause."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    visible = torch.cuda.device_count()
-    if device >= visible:
-        raise PlacementError(
-            f"this worker is to use GPU {device} of its machine, but it sees {visible} "
-            f"GPU(s) (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
-            f"set n_devices_per_node={visible} (or 0: every GPU), or make more GPUs visible"
-        )
-    torch.cuda.set_device(device)

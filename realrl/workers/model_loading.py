@@ -32,6 +32,7 @@ import torch
 from realrl.api.config import ConfigError
 from realrl.api.experiment import ModelKind, ModelSpec, OptimizerBackendName
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
+from realrl.backends.worker_device import worker_device
 from realrl.models.checkpoint import load_pretrained
 from realrl.models.compiled import enable_compiled_blocks
 from realrl.models.lora import add_adapters, base_view
@@ -115,11 +116,7 @@ def load_engine(
     the base weights of a role with `shares_base_with`."""
     if spec.shares_base_with is not None:
         return _base_view_engine(spec, parallel, donor, adapter_seed, seed)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = worker_device()
     backend = resolve_optimizer_backend(spec, device) if trains else OptimizerBackendName.torch
     if trains:
         logger.info("%s trains with the %s optimizer backend", spec.role, backend.value)

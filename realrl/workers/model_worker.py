@@ -29,6 +29,7 @@ from realrl.api.dfg import MFCDef, MFCKind, OffloadHook
 from realrl.api.errors import UserFacingError
 from realrl.api.experiment import ModelKind
 from realrl.backends.torch_engine import NonFiniteError, ParallelContext, TorchEngine
+from realrl.backends.worker_device import worker_device, world_backend
 from realrl.interfaces.chunked_generation import ChunkRequest
 from realrl.interfaces.registry import make_interface
 from realrl.models.checkpoint import checkpoint_eos_token_ids
@@ -85,8 +86,7 @@ class ModelWorker:
         # transfer with `post_send`); waited for before any request but an MFC.
         self.pending_sends: list[dist.Work] = []
         self._build()
-        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                  else torch.device("cpu"))
+        device = worker_device()
         # Each call's peak memory, and a hint when it nears this worker's share.
         limit_gb = plan.base.worker_memory_gb
         self.memory = MemoryWatch(device, plan.base.n_devices_per_node,
@@ -293,8 +293,7 @@ def _layout_fields(data: dict) -> dict:
 def join_world(store: dist.Store, rank: int, world_size: int, plan: RunPlan) -> None:
     """Join the torch.distributed world of every model worker: NCCL on GPU, gloo on CPU, with
     the plan's collective timeout (`realrl.workers.realloc.collective_timeout`)."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+    dist.init_process_group(world_backend(), store=store, rank=rank, world_size=world_size,
                             timeout=collective_timeout(plan))
 
 

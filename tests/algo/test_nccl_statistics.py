@@ -2,7 +2,7 @@
 
 A PPO batch's advantages, whitening, group moments and logged means are computed from CPU
 tensors (`prepare_ppo_batch` moves the rollout to the host); NCCL has no CPU transport, so each
-reduction goes through the group's device (`realrl.algo.distributed_stats.group_device`). On
+reduction goes through the group's device (`realrl.backends.worker_device.group_device`). On
 a one-rank NCCL group every reduction is the identity, so each result must equal the
 unreduced one, on the device it started on. Before `all_reduce_sum` moved its tensor, every
 data-parallel PPO run on GPUs (`ppo.adv_norm`, the default) raised "No backend type
@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from realrl.algo.distributed_stats import all_reduce_sum, group_device, masked_moments
+from realrl.algo.distributed_stats import all_reduce_sum, masked_moments
 from realrl.algo.group_stats import whiten
 from realrl.algo.value_norm import ValueNormalizer
+from realrl.backends.worker_device import group_device
 from realrl.interfaces.common import DistributedMeans
 
 pytestmark = [

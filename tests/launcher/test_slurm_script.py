@@ -28,7 +28,7 @@ from realrl.launcher.slurm_script import (
     worker_srun,
     write_batch_script,
 )
-from realrl.launcher.slurm_task import PlacementError, bind_device, check_placement
+from realrl.launcher.slurm_task import PlacementError, check_placement
 
 FOUR_BY_EIGHT = [
     "mode=slurm", "n_nodes=4", "n_devices_per_node=8", "slurm.partition=gpu",
@@ -224,23 +224,6 @@ def test_placement_check_rejects_a_cyclic_layout(monkeypatch):
     monkeypatch.setenv("SLURM_LOCALID", "0")  # cyclic would put rank 1 here
     with pytest.raises(PlacementError, match="node 0, device 1"):
         check_placement(rank=1, devices_per_node=2)
-
-
-def test_a_worker_refuses_a_gpu_its_machine_does_not_have(monkeypatch):
-    """Two workers on one GPU would wrap onto the same device and fail at the first NCCL
-    collective; the second worker stops at once, with the key to change."""
-    import torch
-
-    bound = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    bind_device(0)
-    with pytest.raises(PlacementError, match=r"GPU 1 .* sees 1 GPU\(s\) \(CUDA_VISIBLE_DEVICES=3\)"
-                                             r": set n_devices_per_node=1"):
-        bind_device(1)
-    assert bound == [0]
 
 
 def test_the_job_asks_for_usr1_ahead_of_its_time_limit_unless_the_lead_is_zero(tmp_path):
