@@ -7,12 +7,12 @@ writing 5 to /proc/self/clear_refs; where that is refused, the peak since the pr
 started). The worker reports it as `<mfc>/peak_memory_gb` (the master keeps the largest over
 the call's ranks).
 
-The limit a worker compares with, read again at the end of every call: `worker_memory_gb` if
-set; else on CUDA what the GPU has for this process (its free memory plus what this process's
+The limit a worker compares with: `worker_memory_gb` if set; else on CUDA what the GPU has for
+this process, read again at the end of every call (its free memory plus what this process's
 allocator has reserved: memory other processes hold, such as a colocated vLLM engine's share,
 `gen.vllm_gpu_memory_utilization`, or another worker's, is not this worker's); on CPU its share
-of the machine (the smaller of MemTotal and the cgroup's memory limit, divided by the workers
-on the node).
+of the machine, read once (the smaller of MemTotal and the cgroup's memory limit, divided by
+the workers on the node).
 
 The hint: when a call's peak passes `NEAR_LIMIT` of the limit, the worker logs once per MFC a
 `<mfc>.max_tokens_per_microbatch` that would bring it to about `TARGET` of the limit, from
@@ -215,7 +215,11 @@ class MemoryWatch:
     def __init__(self, device: torch.device, workers_per_node: int,
                  limit_bytes: int | None = None) -> None:
         self.peak = PeakMemory(device)
-        self.device, self.workers_per_node, self.fixed_limit = device, workers_per_node, limit_bytes
+        self.device, self.workers_per_node = device, workers_per_node
+        # What other processes hold on a GPU changes during the run; a machine's memory does not.
+        if limit_bytes is None and device.type != "cuda":
+            limit_bytes = memory_limit_bytes(device, workers_per_node)
+        self.fixed_limit = limit_bytes
         self.hinted: set[str] = set()
 
     @property
