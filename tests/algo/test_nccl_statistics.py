@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
+from nccl_group import one_rank_nccl_group
 
 from realrl.algo.distributed_stats import all_reduce_sum, masked_moments
 from realrl.algo.group_stats import whiten
@@ -29,11 +29,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def nccl_group(tmp_path_factory):
-    torch.cuda.set_device(0)
-    rendezvous = tmp_path_factory.mktemp("nccl") / "rendezvous"
-    dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    with one_rank_nccl_group(tmp_path_factory.mktemp("nccl")) as group:
+        yield group
 
 
 def test_cpu_statistics_reduce_over_nccl_and_stay_on_the_cpu(nccl_group):

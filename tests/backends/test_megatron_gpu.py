@@ -14,8 +14,8 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from bf16_tolerance import assert_within_a_bf16_spacing
+from nccl_group import one_rank_nccl_group
 
 from realrl.api.experiment import OptimizerBackendName, OptimizerConfig
 from realrl.backends.torch_engine import ParallelContext, TorchEngine
@@ -39,16 +39,14 @@ MIB = 2**20
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group(tmp_path_factory):
-    torch.cuda.set_device(0)
-    rendezvous = tmp_path_factory.mktemp("nccl") / "rendezvous"
-    dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=0, world_size=1)
-    # cuBLAS allocates its workspaces (one per thread: the backward runs on autograd's own) on
-    # the first matmuls; made here, they stay out of the first test's bytes per parameter.
-    warm = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    (warm @ warm).float().sum().backward()
-    torch.cuda.synchronize()
-    yield
-    dist.destroy_process_group()
+    with one_rank_nccl_group(tmp_path_factory.mktemp("nccl")):
+        # cuBLAS allocates its workspaces (one per thread: the backward runs on autograd's
+        # own) on the first matmuls; made here, they stay out of the first test's bytes per
+        # parameter.
+        warm = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        (warm @ warm).float().sum().backward()
+        torch.cuda.synchronize()
+        yield
 
 
 def build_model(seed: int = 0, config: ModelConfig = CONFIG) -> Transformer:
