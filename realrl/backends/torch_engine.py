@@ -125,6 +125,11 @@ class TorchEngine:
         # `_version`, so whoever caches a copy of the weights (`realrl.models.vllm_generation`)
         # reads this count too.
         self.optimizer_steps_taken = 0
+        # Writes of the weights from outside: reallocations into this layout and checkpoint
+        # loads (the worker counts them). A frozen replica that shares one copy of the weights
+        # with its peers (`realrl.workers.realloc.share_replica_weights`) sees its tensors
+        # change with no `_version` bump when a peer writes them: only this count tells.
+        self.weights_received = 0
         # `gen.backend=vllm`: the vLLM engine colocated with this shard, built by its first
         # generate call (`realrl.interfaces.common.generate_with_backend`).
         self.vllm_generator: Any = None
@@ -213,6 +218,12 @@ class TorchEngine:
             output = self.module(packed_input_ids, cu_seqlens, apply_lm_head=False)
         self._kept.append(_KeptForward(packed_input_ids, cu_seqlens, output))
         return output.detach()
+
+    @property
+    def weight_writes(self) -> int:
+        """Grows with every optimizer step and every write from outside (`weights_received`):
+        whoever caches a copy of the weights compares it with the count it copied at."""
+        return self.optimizer_steps_taken + self.weights_received
 
     def _weights_version(self) -> tuple[int, ...]:
         """Changes with every in-place write to the weights (reallocation, checkpoint loads).

@@ -114,7 +114,7 @@ def generate_with_backend(engine, hyperparameters: GenerationHyperparameters,
         sleep_level = 2 if engine.optimizer is not None else 1
         engine.vllm_generator = VLLMGenerator(hyperparameters.vllm_gpu_memory_utilization,
                                               sleep_level)
-    return engine.vllm_generator.generate(engine.module, engine.optimizer_steps_taken,
+    return engine.vllm_generator.generate(engine.module, engine.weight_writes,
                                           packed_prompts, prompt_cu_seqlens, config,
                                           engine.generator)
 

