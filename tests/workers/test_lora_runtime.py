@@ -7,8 +7,10 @@ Two plans of the tiny default actor with adapters (rank 4), each trained one SFT
 Checked: the reference holds no weights of its own (its base parameters are the actor's
 tensors; parameters held per rank, counted), `ref_inf` gives the base model's log-probs
 without the adapter, a transfer moves the adapters only (a base weight changed on the owner
-does not travel), EMA blends adapters only, the optimizer state is the adapters', and a
-checkpoint (PEFT format) restores the adapters.
+does not travel), EMA blends adapters only, the optimizer state is the adapters', a
+checkpoint (PEFT format) restores the adapters, and every write into a layout's weights is
+counted where it lands (`TorchEngine.weight_writes`, by which a vLLM engine knows its copy is
+stale), on the rank whose generation replica shares its peer's tensors too.
 """
 
 from __future__ import annotations
@@ -116,12 +118,21 @@ def memory(worker) -> dict:
     return {"held": held, "per_role": per_role}
 
 
+def weight_writes(worker, layouts: dict) -> dict[str, int]:
+    """Each hosted layout's count of writes into its weights (`TorchEngine.weight_writes`,
+    what a vLLM engine compares to know its copy is stale)."""
+    return {name: worker.models[layout].engine.weight_writes
+            for name, layout in layouts.items() if layout in worker.models}
+
+
 def run_case(rank: int, model_path: str, case: str) -> dict:
     plan = make_plan(model_path, case)
     worker = ModelWorker(rank, plan, ProcessGroups.create(plan))
     owner, gen = plan.owner_layout("actor"), plan.layout_of("actor_gen")
     ref = plan.owner_layout("ref")
-    result = {"memory": memory(worker)}
+    layouts = {"owner": owner, "gen": gen, "ref": ref}
+    result = {"memory": memory(worker), "writes": [weight_writes(worker, layouts)],
+              "gen_shares": worker.models[gen].engine.shared_weights is not None}
     actor_pointers = {p.data_ptr() for layout, hosted in worker.models.items()
                       if layout.role == "actor" for p in hosted.engine.module.parameters()}
     result["ref_base_is_actors"] = all(
@@ -140,13 +151,16 @@ def run_case(rank: int, model_path: str, case: str) -> dict:
         result["tp"] = engine.parallel.tp_rank
         with torch.no_grad():  # a base weight changed on the owner must not travel
             engine.module.final_norm.weight.add_(1.0)
+    result["writes"].append(weight_writes(worker, layouts))
     transfer(worker, owner, gen, 1.0)
+    result["writes"].append(weight_writes(worker, layouts))
     result["gen"] = named(worker.models[gen].engine)
     if rank in owner.ranks:  # back as it was (the reference may compute with these tensors)
         with torch.no_grad():
             worker.models[owner].engine.module.final_norm.weight.sub_(1.0)
     if case == "ema_ref":
         transfer(worker, owner, ref, 0.5)
+    result["writes"].append(weight_writes(worker, layouts))
     result["ref_after"] = named(worker.models[ref].engine)
     part = batch.split_data_parallel(2)[0][rank]
     reply = worker.handle(mfc_message("ref_inf", part)).raise_if_error()
@@ -162,6 +176,7 @@ def run_case(rank: int, model_path: str, case: str) -> dict:
                 if "_lora." in name:
                     parameter.zero_()
     worker.handle(Message("load", {"directory": checkpoint})).raise_if_error()
+    result["writes"].append(weight_writes(worker, layouts))
     if rank in owner.ranks:
         result["owner_loaded"] = named(worker.models[owner].engine)
     return result
@@ -207,6 +222,21 @@ def test_lora_roles_share_the_base_and_move_only_adapters(tmp_path):
 
     for case in LAYOUTS:
         per_rank = {rank: results[rank][case] for rank in range(WORLD)}
+        for rank, result in per_rank.items():
+            # Every write into a layout's weights is counted where it lands, on every rank
+            # (the optimizer step on the owner's, a transfer on its target's, a checkpoint
+            # load on all), a rank whose replica shares its peer's tensors included.
+            start, stepped, moved, blended, loaded = result["writes"]
+            grew = {name: [after[name] - before[name] for before, after in
+                           ((start, stepped), (stepped, moved), (moved, blended),
+                            (blended, loaded))]
+                    for name in start}
+            assert grew["gen"] == [0, 1, 0, 1], (case, rank, grew)
+            assert result["gen_shares"], (case, rank)  # the replicas share one copy
+            ema = 1 if case == "ema_ref" else 0
+            assert grew["ref"] == [0, 0, ema, 1], (case, rank, grew)
+            if "owner" in grew:
+                assert grew["owner"] == [1, 0, 0, 1], (case, rank, grew)
         owners = [r for r in per_rank.values() if "owner" in r]
         full_owner = unshard_state_dicts([r["owner"] for r in sorted(owners, key=lambda r: r["tp"])],
                                          config)
