@@ -17,8 +17,9 @@
 #   compiled ops load: the same checks against this release, and the CPU engine test, which
 #   generates with vLLM through `VLLMGenerator` against realrl's own `generate` (greedy tokens,
 #   sampled log-probs against a forward pass, weights pushed in place through shared memory);
-#   and tests/e2e/test_vllm_cli.py, ppo-math with gen.backend=vllm on both CPU workers. An
-#   engine takes ~40 s to start on 2 cores (2.5 minutes for the two of the e2e run).
+#   and tests/e2e/test_vllm_cli.py, ppo-math with gen.backend=vllm on both CPU workers, saved
+#   and resumed. An engine takes ~40 s to start on 2 cores (2.5 minutes for the two of each of
+#   the e2e test's two runs; ~11 minutes in all).
 # Exits with pytest's status; with OUTPUT_FILE, the output is kept there too.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -166,8 +166,7 @@ class ModelWorker:
 
     def close_generators(self) -> None:
         """Stop the vLLM engines (`gen.backend=vllm`) of the hosted models: each runs its engine
-        core in a child process of this worker, which vLLM shuts down once its `LLM` is
-        dropped, and keeps its config in a temporary directory."""
+        core in a child process of this worker, and keeps its config in a temporary directory."""
         for hosted in self.models.values():
             if hosted.engine.vllm_generator is not None:
                 hosted.engine.vllm_generator.close()

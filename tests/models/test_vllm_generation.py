@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import multiprocessing
 from types import SimpleNamespace
 
 import pytest
@@ -528,11 +529,13 @@ def sequences(output):
 def check_engine(models, device: str, dtype: torch.dtype, atol: float) -> None:
     """vLLM through `VLLMGenerator` against realrl's own `generate` on `device`: greedy tokens
     (n=2, which vLLM runs as one sample), sampled tokens' log-probs against a forward pass, and
-    weights written in place (as an optimizer step writes them) pushed before the next call."""
+    weights written in place (as an optimizer step writes them) pushed before the next call; and
+    `close` stops the engine's processes, not only drops the engine."""
     first, second = models
     model = load_pretrained(first, dtype=dtype, device=device)
     packed, cu_seqlens = engine_prompts(device)
     engine = VLLMGenerator(0.3 if device == "cuda" else 0.1, sleep_level=2)
+    before = set(multiprocessing.active_children())
     try:
         greedy = GenerationConfig(n=2, greedy=True, max_new_tokens=16)
 
@@ -570,8 +573,11 @@ def check_engine(models, device: str, dtype: torch.dtype, atol: float) -> None:
         assert engine.pushes == 2 + pushes_per_call
         assert not torch.equal(got.packed_input_ids, old_weights_tokens)
         assert_greedy_equal_until_a_near_tie(model, got, want, atol)
+        engine_processes = set(multiprocessing.active_children()) - before
+        assert engine_processes  # the engine core, started by this process
     finally:
         engine.close()
+    assert not [process.name for process in engine_processes if process.is_alive()]
 
 
 @pytest.mark.gpu
