@@ -69,7 +69,7 @@ def ppo_policy_loss(
 
     Stats: ``clip_fraction`` (tokens where the clipped branch is active), ``dual_clip_fraction``,
     ``approx_kl`` (k3 estimate of KL(old || new), Schulman 2020), ``ratio_mean``,
-    ``ratio_max``, ``early_stopped``, ``num_tokens``.
+    ``early_stopped``, ``num_tokens``.
     """
     if eps_clip_high is None:
         eps_clip_high = eps_clip
@@ -103,7 +103,6 @@ def ppo_policy_loss(
         "dual_clip_fraction": _masked_mean(dual_active.float(), mask),
         "approx_kl": _masked_mean(approx_kl, mask),
         "ratio_mean": ratio_mean,
-        "ratio_max": torch.cat([ratio.detach() * mask, ratio.new_zeros(1)]).max(),
         "early_stopped": early_stopped,
         "num_tokens": mask.sum().float(),
     }

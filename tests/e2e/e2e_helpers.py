@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,9 +152,34 @@ def kill_leftovers(text: str) -> None:
             pass
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
+def read_metrics(run_dir: Path, custom_mfcs: tuple[str, ...] = ()) -> list[dict]:
+    """The run's `metrics.jsonl`, each of whose keys `docs/metrics.md` documents (besides the
+    statistics of `custom_mfcs`, MFCs a test's own experiment defines)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    keys = {key for record in records for key in record
+            if not key.startswith(tuple(f"{mfc}/" for mfc in custom_mfcs))}
+    undocumented = sorted(key for key in keys
+                          if not any(pattern.fullmatch(key) for pattern in documented_metrics()))
+    assert not undocumented, f"{path} logs metrics docs/metrics.md does not name: {undocumented}"
+    return records
+
+
+@functools.cache
+def documented_metrics() -> list[re.Pattern]:
+    """The keys named in the first column of the tables of `docs/metrics.md` (before its
+    "Samples" section), as patterns: a `<placeholder>` stands for one name (an MFC's, a
+    task's, ...)."""
+    reference = (REPO_ROOT / "docs" / "metrics.md").read_text().split("\n## Samples", 1)[0]
+    patterns = []
+    for line in reference.splitlines():
+        if not line.startswith("| `"):
+            continue
+        for name in re.findall(r"`([^`]+)`", line[1:].split(" | ", 1)[0]):
+            if "..." not in name:  # `rew_inf/...`: keys documented in their own rows
+                pieces = re.split(r"<[^>]+>", name)
+                patterns.append(re.compile("[^/]+".join(map(re.escape, pieces))))
+    return patterns
 
 
 def without_timing(record: dict) -> dict:
