@@ -138,6 +138,9 @@ ADVANTAGE_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "remax",
 )
+# The estimators whose baseline is the mean reward of a prompt's group of responses
+# (`needs_groups` in realrl.algo.advantages, which a test checks against).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 # The choices of the off-policy keys (realrl.algo.offpolicy holds the same tuples; a test

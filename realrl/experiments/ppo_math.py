@@ -45,6 +45,7 @@ from realrl.api.experiment import (
 from realrl.api.registry import register_experiment
 from realrl.api.reward_config import RewardConfig, RewardSource
 from realrl.api.rl_config import (
+    GROUP_ESTIMATORS,
     GenerationHyperparameters,
     PPOHyperparameters,
     vllm_config_problems,
@@ -94,7 +95,9 @@ class PPOMathConfig(BaseExperimentConfig):
     dataset: DatasetConfig = help_field(
         DatasetConfig(batch_size=16, builtin_train_size=256), "Prompts."
     )
-    group_size: int = help_field(8, "Responses per prompt that enter training.")
+    group_size: int = help_field(
+        8, "Responses per prompt that enter training; at least 2 for the estimators with a "
+        "group baseline (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline).")
     generation_size: int | None = help_field(
         None, "Responses generated per prompt; > group_size keeps the best (best-of-n)."
     )
@@ -203,6 +206,18 @@ class PPOMathConfig(BaseExperimentConfig):
                 problems.append(f"`{role}.offload=true`: only frozen models (ref) are offloaded.")
         if self.group_size < 1:
             problems.append(f"`group_size={self.group_size}` must be >= 1.")
+        if self.group_size == 1 and self.ppo.adv_estimator in GROUP_ESTIMATORS:
+            problems.append(
+                f"`group_size=1` with `ppo.adv_estimator={self.ppo.adv_estimator}`: its baseline "
+                "is the mean reward of each prompt's group_size responses, so with one response "
+                "each reward is its own baseline and no reward reaches the policy; set "
+                "group_size to 2 or more (e.g. 8), or use an estimator without a group baseline "
+                "(reinforce_plus_plus, remax, or gae with ppo.disable_value=false).")
+        if self.group_size == 1 and self.ppo.dynamic_sampling:
+            problems.append(
+                "`ppo.dynamic_sampling=true` with `group_size=1`: it drops every prompt whose "
+                "responses all get the same reward, which one response always does; set "
+                "group_size to 2 or more, or ppo.dynamic_sampling=false.")
         if self.generation_size is not None and self.generation_size < self.group_size:
             problems.append(
                 f"`generation_size={self.generation_size}` must be >= `group_size={self.group_size}`."

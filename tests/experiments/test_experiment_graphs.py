@@ -1,5 +1,7 @@
 import pytest
 
+from realrl.algo.advantages import ADVANTAGE_ESTIMATORS
+from realrl.api import rl_config
 from realrl.api.config import ConfigError, resolve_config
 from realrl.api.dfg import ParamReallocHook
 from realrl.api.registry import get_experiment
@@ -103,3 +105,35 @@ def test_dpo_with_a_lora_actor_takes_the_actors_base_as_its_reference():
                              "ref.offload=true"])
     assert "`ref.lora.rank=2`: the reference does not train" in str(error.value)
     assert "`ref.offload=true` with `actor.lora.rank` > 0" in str(error.value)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_one_response_per_prompt_is_refused_by_the_group_baseline_estimators(estimator):
+    entry = get_experiment("ppo-math")
+    with pytest.raises(ConfigError) as caught:
+        resolve_config(entry.config_class, ["group_size=1", f"ppo.adv_estimator={estimator}",
+                                            "ppo.disable_value=true"],
+                       defaults={"experiment_name": "ppo-math"})
+    assert any(f"`group_size=1` with `ppo.adv_estimator={estimator}`" in text
+               and "set group_size to 2 or more" in text for text in caught.value.problems)
+
+
+@pytest.mark.parametrize("overrides", [["ppo.adv_estimator=gae"],
+                                       ["ppo.adv_estimator=reinforce_plus_plus",
+                                        "ppo.disable_value=true"],
+                                       ["ppo.adv_estimator=remax", "ppo.disable_value=true"]])
+def test_one_response_per_prompt_trains_with_an_estimator_without_a_group_baseline(overrides):
+    entry = get_experiment("ppo-math")
+    config = resolve_config(entry.config_class, ["group_size=1", *overrides],
+                            defaults={"experiment_name": "ppo-math"})
+    assert config.validate() == []
+    with pytest.raises(ConfigError, match="ppo.dynamic_sampling=true` with `group_size=1`"):
+        resolve_config(entry.config_class, ["group_size=1", "ppo.dynamic_sampling=true",
+                                            *overrides], defaults={"experiment_name": "ppo-math"})
+
+
+def test_the_config_names_the_registrys_group_baseline_estimators():
+    # realrl.api.rl_config holds the names without importing torch (the launcher reads them)
+    assert rl_config.ADVANTAGE_ESTIMATORS == tuple(ADVANTAGE_ESTIMATORS)
+    assert set(rl_config.GROUP_ESTIMATORS) == {
+        name for name, estimator in ADVANTAGE_ESTIMATORS.items() if estimator.needs_groups}
