@@ -87,6 +87,15 @@ class OptimizerConfig:
             )
         if self.gradient_clipping < 0:
             problems.append(f"`{prefix}.gradient_clipping={self.gradient_clipping}` must be >= 0.")
+        if self.weight_decay < 0:
+            problems.append(f"`{prefix}.weight_decay={self.weight_decay}` must be >= 0.")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                problems.append(f"`{prefix}.{name}={getattr(self, name)}` must be in [0, 1).")
+        if not self.eps > 0:
+            problems.append(f"`{prefix}.eps={self.eps}` must be > 0 (AdamW's default is 1e-8).")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            problems.append(f"`{prefix}.min_lr_ratio={self.min_lr_ratio}` must be in [0, 1].")
         return problems
 
 

@@ -273,6 +273,13 @@ class PPOHyperparameters:
             )
         if self.num_minibatches < 1 or self.num_epochs < 1:
             problems.append(f"`{prefix}.num_minibatches` and `{prefix}.num_epochs` must be >= 1.")
+        # Ranges around 1 and bands: what null means where null is allowed.
+        for name, null in (("eps_clip", ""), ("eps_clip_high", f" (or null: `{prefix}.eps_clip`)"),
+                           ("value_eps_clip", " (or null: off)"),
+                           ("ratio_early_stop", " (or null: off)")):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                problems.append(f"`{prefix}.{name}={value}` must be > 0{null}.")
         if self.dual_clip is not None and self.dual_clip <= 1:
             problems.append(f"`{prefix}.dual_clip={self.dual_clip}` must be > 1 (or null).")
         if self.kl_ctl < 0:

@@ -75,6 +75,30 @@ def test_cross_field_problems_are_reported_together():
     assert any("try `ppo.adv_estimator=grpo`" in p for p in problems)
 
 
+def test_clip_ranges_and_adamw_settings_out_of_range_are_refused_before_launch():
+    # A negative clip range would clamp every ratio to one side; a ratio band of 0 would zero
+    # every micro-batch's policy loss; AdamW's own checks would only fire in the workers.
+    with pytest.raises(ConfigError) as info:
+        resolve_config(PPOMathConfig, [
+            "ppo.eps_clip=-0.1", "ppo.eps_clip_high=0", "ppo.value_eps_clip=-1",
+            "ppo.ratio_early_stop=0", "actor.optimizer.weight_decay=-1",
+            "actor.optimizer.beta1=-0.1", "critic.optimizer.beta2=1", "critic.optimizer.eps=0",
+            "actor.optimizer.min_lr_ratio=2"])
+    assert sorted(info.value.problems) == sorted([
+        "`ppo.eps_clip=-0.1` must be > 0.",
+        "`ppo.eps_clip_high=0.0` must be > 0 (or null: `ppo.eps_clip`).",
+        "`ppo.value_eps_clip=-1.0` must be > 0 (or null: off).",
+        "`ppo.ratio_early_stop=0.0` must be > 0 (or null: off).",
+        "`actor.optimizer.weight_decay=-1.0` must be >= 0.",
+        "`actor.optimizer.beta1=-0.1` must be in [0, 1).",
+        "`critic.optimizer.beta2=1.0` must be in [0, 1).",
+        "`critic.optimizer.eps=0.0` must be > 0 (AdamW's default is 1e-8).",
+        "`actor.optimizer.min_lr_ratio=2.0` must be in [0, 1].",
+    ])
+    resolve_config(PPOMathConfig, ["ppo.value_eps_clip=null", "ppo.eps_clip_high=0.28",
+                                   "ppo.ratio_early_stop=0.5", "actor.optimizer.beta1=0"])
+
+
 def test_yaml_file_is_merged_under_command_line_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("seed: 7\noptimizer:\n  lr: 0.5\n  weight_decay: 0.1\n")
