@@ -148,6 +148,33 @@ def async_rollout_problems(config: BaseExperimentConfig, spec: ExperimentSpec,
                                    and spec.rollout_filter.drop_equal_reward_groups)
 
 
+def data_parallel_problems(graph: DataflowGraph, allocations: dict[str, MFCAllocation]
+                           ) -> list[str]:
+    """MFCs whose batch leaves a data-parallel rank without a sample, and train calls whose
+    mini-batches (`ppo.num_minibatches`) would leave one without a sample: the workers would
+    stop at the first call (`SequenceSample.split_data_parallel`, `strided_minibatches`)."""
+    problems = []
+    for name in graph.order:
+        mfc, data = graph.mfcs[name], allocations[name].strategy.data
+        if mfc.batch_size < data:
+            problems.append(
+                f"MFC `{name}` gets {mfc.batch_size} sample(s) a call (`dataset.batch_size`) "
+                f"but runs data parallel over {data} ranks ({allocations[name].strategy}), each "
+                f"of which needs one; raise dataset.batch_size to at least {data}, or give "
+                f"`{name}` fewer data-parallel ranks (allocation_mode, n_devices_per_node).")
+            continue
+        minibatches = getattr(getattr(mfc.interface_config, "ppo", None), "num_minibatches", 1)
+        if mfc.is_train and mfc.batch_size // data < minibatches:
+            problems.append(
+                f"MFC `{name}`: `ppo.num_minibatches={minibatches}` needs a sample of each "
+                f"mini-batch on each of its {data} data-parallel ranks, but "
+                f"`dataset.batch_size={mfc.batch_size}` gives a rank "
+                f"{mfc.batch_size // data}; set ppo.num_minibatches to at most "
+                f"{mfc.batch_size // data}, or dataset.batch_size to at least "
+                f"{minibatches * data}.")
+    return problems
+
+
 def logged_key_problems(config: BaseExperimentConfig, graph: DataflowGraph) -> list[str]:
     """`log.per_sample_keys` that no MFC and no dataset produces, each with the valid keys."""
     valid = sorted(graph.producers)
@@ -351,6 +378,7 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     problems += vllm_launch_problems(graph, allocations, workers_without_gpus(config),
                                      installed_vllm_build())
     problems += lora_plan_problems(spec, graph, allocations)
+    problems += data_parallel_problems(graph, allocations)
     problems += logged_key_problems(config, graph)
     if problems:
         raise ConfigError(problems)

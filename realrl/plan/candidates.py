@@ -54,7 +54,8 @@ def strategies(work: MFCWork, mesh_size: int, per_node: int,
             pipelines = [p for p in _divisors(rest) if p <= work.model.num_layers]
         for pipeline in pipelines:
             data = rest // pipeline
-            if data <= work.num_sequences:
+            # every rank needs a sample, and a train call a sample of each mini-batch
+            if data * (work.optimizer_steps // work.epochs) <= work.samples:
                 found.append(ParallelStrategy(data=data, tensor=tensor, pipeline=pipeline))
     return found
 

@@ -114,6 +114,13 @@ class MFCWork:
     # train: the MFCs its first forward reads from when the master sends that forward ahead of
     # the call (`MFCDef.forward_keys`); (): it runs within the call
     forward_ahead_after: tuple[str, ...] = ()
+    # The samples (prompts with their responses) a call splits over its data-parallel ranks,
+    # each rank at least one (`SequenceSample.split_data_parallel`); 0: one per sequence.
+    num_samples: int = 0
+
+    @property
+    def samples(self) -> int:
+        return self.num_samples or self.num_sequences
 
     @property
     def sequence_tokens(self) -> int:

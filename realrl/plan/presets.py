@@ -54,7 +54,8 @@ def rl_graph(workload: RLWorkload) -> tuple[dict[str, MFCWork], dict[str, tuple[
     def work(name: str, role: str, kind: WorkKind, model: ModelShape | None,
              **options) -> MFCWork:
         return MFCWork(name, role, kind, model, sequences, workload.prompt_tokens,
-                       workload.generated_tokens, workload.dtype, **options)
+                       workload.generated_tokens, workload.dtype,
+                       num_samples=workload.num_prompts, **options)
 
     trained = {"role_is_trained": True}
     optimizer = {"optimizer_steps": workload.ppo_minibatches, **trained}

@@ -78,7 +78,7 @@ def mfc_work(config: Any, spec: ExperimentSpec, graph: DataflowGraph, mfc: MFCDe
         role_is_trained=mfc.model_role in trained_roles,
         optimizer_steps=optimizer_steps, epochs=epochs,
         microbatch_choices=(mfc.microbatch.min_num_microbatches,),
-        forward_ahead_after=tuple(ahead),
+        forward_ahead_after=tuple(ahead), num_samples=mfc.batch_size,
     )
 
 

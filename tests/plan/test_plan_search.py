@@ -180,3 +180,18 @@ def test_a_train_calls_forward_sent_ahead_runs_beside_the_inference_calls():
         (pytest.approx(e.start_s), pytest.approx(e.finish_s)) for e in plan.timeline]
     table = timeline_table(ahead, plan).splitlines()
     assert table[2].split()[:3] == ["train/forward", "d1t1p1", "0"]
+
+
+def test_candidates_give_every_data_parallel_rank_a_sample_of_each_mini_batch():
+    from realrl.plan.candidates import strategies
+
+    def data_sizes(**options):
+        return sorted({s.data for size in (1, 2, 4, 8)
+                       for s in strategies(work(**options), size, 8, False)})
+
+    # 2 prompts x 4 responses: 8 sequences, but a call splits by prompt
+    assert data_sizes(kind=WorkKind.generate, num_sequences=8, num_samples=2) == [1, 2]
+    assert data_sizes(kind=WorkKind.generate, num_sequences=8) == [1, 2, 4, 8]
+    # 8 prompts in 4 mini-batches (2 epochs: 8 optimizer steps): at most 2 ranks
+    assert data_sizes(kind=WorkKind.train_step, num_sequences=16, num_samples=8,
+                      optimizer_steps=8, epochs=2) == [1, 2]
