@@ -1,4 +1,4 @@
-"""Packed-sequence transformer (Llama / Qwen2 / Mistral families), HF checkpoints, generation.
+"""Packed-sequence transformer (Llama / Qwen2 / Qwen3 / Mistral families), HF checkpoints, generation.
 
 Submodules: `config` (ModelConfig), `families` (HF config and weight-name mapping),
 `transformer` (the model), `attention` (packed attention kernels), `lm_head` (the LM head

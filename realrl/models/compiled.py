@@ -73,11 +73,12 @@ def before_attention(
     eps: float,
     num_heads: int,
     num_kv_heads: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # Qwen3's, [head_dim]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`Block`'s math up to attention: rotated query [total_tokens, heads, head_dim], key and
     value [total_tokens, kv_heads, head_dim] (same ops as `Attention.project`)."""
     qkv = F.linear(rms_norm(hidden, norm_weight, eps), qkv_weight, qkv_bias)
-    return split_rotated_qkv(qkv, num_heads, num_kv_heads, cos, sin)
+    return split_rotated_qkv(qkv, num_heads, num_kv_heads, cos, sin, qk_norm)
 
 
 def after_attention(
@@ -170,6 +171,7 @@ class CompiledBlocks:
                 block.attention_norm.eps,
                 attention.num_heads,
                 attention.num_kv_heads,
+                attention.qk_norm(),
             )
             # Contiguous (a no-op for every kernel but `block_diagonal`): a new stride pattern
             # from another attention kernel would otherwise recompile.

@@ -20,7 +20,8 @@ class ModelConfig:
     `head_dim` defaults to `hidden_size // num_attention_heads`. `rope_scaling` holds the HF
     `rope_parameters`/`rope_scaling` dict minus `rope_theta` (e.g. `{"rope_type": "llama3",
     "factor": 8.0, ...}`), or None for plain RoPE. `sliding_window` (Mistral) limits how far
-    back a token attends; None means full causal attention.
+    back a token attends; None means full causal attention. `qk_norm` (Qwen3) RMS-normalises
+    each head's query and key over head_dim before the rotation.
 
     `eos_token_id` is config.json's; `generation_config` is the checkpoint's
     generation_config.json as loaded (None without one), carried into every checkpoint realrl
@@ -40,6 +41,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each head's query and key
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     is_critic: bool = False

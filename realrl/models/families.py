@@ -1,14 +1,15 @@
 """Model families: how a Hugging Face checkpoint maps onto realrl's `ModelConfig` and weights.
 
 A family is a small record: the HF `model_type` and architecture class name, and two config
-translators. Llama, Qwen2 and Mistral share one weight layout, described once by
-`LLAMA_LAYOUT` below:
+translators. Llama, Qwen2, Qwen3 and Mistral share one weight layout, described once by
+`weight_rules` below:
 
     realrl name                              Hugging Face name(s)
     embedding.weight                         model.embed_tokens.weight
     layers.{i}.attention_norm.weight         model.layers.{i}.input_layernorm.weight
     layers.{i}.attention.qkv.{weight,bias}   model.layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}
                                              (concatenated along the output dimension)
+    layers.{i}.attention.{q,k}_norm.weight   model.layers.{i}.self_attn.{q,k}_norm.weight (Qwen3)
     layers.{i}.attention.output.weight       model.layers.{i}.self_attn.o_proj.weight
     layers.{i}.mlp_norm.weight               model.layers.{i}.post_attention_layernorm.weight
     layers.{i}.mlp.gate_up.weight            model.layers.{i}.mlp.{gate,up}_proj.weight (concatenated)
@@ -111,8 +112,8 @@ def _llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     model_type = hf["model_type"]
     rope_theta, rope_scaling = _rope_from_hf(hf)
     sliding_window = hf.get("sliding_window")
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
-        sliding_window = None
+    if model_type in ("qwen2", "qwen3"):
+        sliding_window = _qwen_sliding_window(hf)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -126,6 +127,7 @@ def _llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=sliding_window,
         is_critic=is_critic_config(hf),
@@ -134,6 +136,26 @@ def _llama_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),
     )
+
+
+def _qwen_sliding_window(hf: dict[str, Any]) -> int | None:
+    """Qwen2/Qwen3's window, which transformers applies per layer: with `use_sliding_window`,
+    to the layers `layer_types` marks `sliding_attention`, by default those from
+    `max_window_layers` (28) on. realrl windows every layer or none."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28)
+        else "full_attention" for i in range(layers)]
+    windowed = [kind == "sliding_attention" for kind in types]
+    if window is None or not any(windowed):
+        return None
+    if not all(windowed):
+        raise ValueError(
+            f"{hf['model_type']} with use_sliding_window=true windows {sum(windowed)} of its "
+            f"{layers} layers (max_window_layers={hf.get('max_window_layers', 28)}, or "
+            "layer_types) and attends in full in the others; realrl windows every layer or none")
+    return window
 
 
 def _llama_config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -162,11 +184,17 @@ def _llama_config_to_hf(config: ModelConfig) -> dict[str, Any]:
         "pad_token_id": config.pad_token_id,
         "use_cache": True,
     }
+    if config.model_type in ("llama", "qwen3"):
+        hf.update(attention_bias=False)
     if config.model_type == "llama":
-        hf.update(attention_bias=False, mlp_bias=False)
-    if config.model_type == "qwen2":
-        hf.update(use_sliding_window=config.sliding_window is not None)
-    if config.model_type in ("qwen2", "mistral"):
+        hf.update(mlp_bias=False)
+    if config.model_type in ("qwen2", "qwen3"):
+        windowed = config.sliding_window is not None
+        hf.update(use_sliding_window=windowed, max_window_layers=0 if windowed else
+                  config.num_hidden_layers,
+                  layer_types=[("sliding" if windowed else "full") + "_attention"]
+                  * config.num_hidden_layers)
+    if config.model_type in ("qwen2", "qwen3", "mistral"):
         hf.update(sliding_window=config.sliding_window)
     if config.is_critic:
         # One label; transformers scores each sequence at its last token that is not pad_token_id.
@@ -177,6 +205,7 @@ def _llama_config_to_hf(config: ModelConfig) -> dict[str, Any]:
 for _model_type, _architecture in (
     ("llama", "LlamaForCausalLM"),
     ("qwen2", "Qwen2ForCausalLM"),
+    ("qwen3", "Qwen3ForCausalLM"),
     ("mistral", "MistralForCausalLM"),
 ):
     register_family(Family(_model_type, _architecture, _llama_config_from_hf, _llama_config_to_hf))
@@ -208,6 +237,9 @@ def _layer_rules(config: ModelConfig, i: int) -> list[tuple[str, list[str], list
         ),
         (ours + "mlp.down.weight", [hf + "mlp.down_proj.weight"], []),
     ]
+    if config.qk_norm:
+        rules += [(ours + f"attention.{p}_norm.weight", [hf + f"self_attn.{p}_norm.weight"], [])
+                  for p in "qk"]
     if config.qkv_bias:
         rules.append(
             (
@@ -236,7 +268,9 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for _, hf_names, sizes in weight_rules(config):
         for index, name in enumerate(hf_names):
-            if name.endswith("norm.weight"):
+            if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+                shapes[name] = (head_dim,)
+            elif name.endswith("norm.weight"):
                 shapes[name] = (hidden,)
             elif name == "model.embed_tokens.weight" or name == "lm_head.weight":
                 shapes[name] = (config.vocab_size, hidden)

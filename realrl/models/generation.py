@@ -215,7 +215,8 @@ def _features_first_block(
     qkv = _features_first_linear(attention.qkv, attention.qkv_lora, normed)
     if attention.qkv.bias is not None:  # [(heads + 2 * kv_heads) * head_dim, rows]
         qkv = qkv + attention.qkv.bias[:, None]
-    query, key, value = split_rotated_qkv(qkv.t(), heads, kv_heads, cos, sin)
+    query, key, value = split_rotated_qkv(qkv.t(), heads, kv_heads, cos, sin,
+                                          attention.qk_norm())
     attended = attend(block.layer_index, query, key, value)  # [rows, heads, head_dim]
     hidden = hidden + _features_first_linear(
         attention.output, attention.output_lora, attended.flatten(1).t())

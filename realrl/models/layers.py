@@ -165,15 +165,25 @@ def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 def split_rotated_qkv(
-    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused projection [..., (heads + 2 * kv_heads) * head_dim] -> rotated query
     [..., heads, head_dim], rotated key and value [..., kv_heads, head_dim].
+
+    `qk_norm` (Qwen3): the query norm's and key norm's weights [head_dim] and their eps; each
+    head's query and key are RMS-normalised over head_dim before the rotation, as transformers'
+    `Qwen3Attention` does.
 
     One split, not slices: its backward is one cat, where each slice's backward fills a zero
     tensor the size of qkv and adds into it.
     """
     qkv = qkv.unflatten(-1, (num_heads + 2 * num_kv_heads, -1))
     query_key, value = qkv.split([num_heads + num_kv_heads, num_kv_heads], -2)
+    if qk_norm is not None:
+        query_weight, key_weight, eps = qk_norm
+        query, key = query_key.split([num_heads, num_kv_heads], -2)
+        query_key = torch.cat([rms_norm(query, query_weight, eps), rms_norm(key, key_weight, eps)],
+                              dim=-2)
     query, key = apply_rotary(query_key, cos, sin).split([num_heads, num_kv_heads], -2)
     return query, key, value

@@ -1,4 +1,4 @@
-"""The packed-sequence decoder-only transformer (Llama family: Llama 2/3, Qwen2, Mistral).
+"""The packed-sequence decoder-only transformer (Llama family: Llama 2/3, Qwen2, Qwen3, Mistral).
 
 Notation: `total_tokens` tokens from `num_seqs` sequences are concatenated without padding;
 `cu_seqlens` [num_seqs + 1] holds each sequence's start offset and the total at the end.
@@ -100,13 +100,28 @@ class Attention(nn.Module):
         self.output = factory.linear(global_out, config.hidden_size, False, "row")
         self.qkv_lora: nn.Module | None = None
         self.output_lora: nn.Module | None = None
+        # Qwen3's per-head norms [head_dim]: every tp rank holds them whole and applies them to
+        # its own heads, so each rank's gradient is a partial sum over heads; marked like a
+        # sequence-parallel norm's, the optimizer backends sum them over the tp group.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        if config.qk_norm and factory.tp_size > 1:
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight.sequence_parallel = True
+
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """The `split_rotated_qkv` argument of the query and key norms (None without)."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """hidden [..., hidden_size] -> rotated query [..., heads, head_dim], key, value."""
         qkv = self.qkv(hidden)
         if self.qkv_lora is not None:
             qkv = qkv + self.qkv_lora(hidden)
-        return split_rotated_qkv(qkv, self.num_heads, self.num_kv_heads, cos, sin)
+        return split_rotated_qkv(qkv, self.num_heads, self.num_kv_heads, cos, sin,
+                                 self.qk_norm())
 
     def project_output(self, attended: torch.Tensor) -> torch.Tensor:
         """attended [..., heads * head_dim] -> [..., hidden_size]."""

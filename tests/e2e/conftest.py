@@ -21,6 +21,30 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_model`'s shape and tokenizer as a Qwen3 model (per-head query/key norms, no qkv
+    bias), random weights."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "tie_word_embeddings", "eos_token_id", "pad_token_id")
+    source = json.loads((tiny_model / "config.json").read_text())
+    directory = tmp_path_factory.mktemp("tiny_qwen3_model") / "model"
+    torch.manual_seed(3)
+    Qwen3ForCausalLM(Qwen3Config(bos_token_id=None, **{key: source[key] for key in keys
+                                                        if key in source})
+                     ).save_pretrained(directory)
+    for tokenizer_file in tiny_model.glob("tokenizer*"):
+        shutil.copy(tokenizer_file, directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def cli_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The environment of every CLI subprocess: one thread each, a private cache."""
     return {

@@ -29,8 +29,11 @@ ALLOCATIONS = [
     # weights move from the d1 training layout to the d2 generation layout every step.
     pytest.param(["allocation_mode=actor_gen:d2,actor_train:d1@0,*:d2"], id="gen_d2_train_d1"),
     # Tensor-parallel training over both workers: the actor's shards are gathered and moved to
-    # the data-parallel generation layout every step, and the checkpoint holds full weights.
-    pytest.param(["allocation_mode=actor_gen:d2,actor_train:d1t2,*:d2"], id="gen_d2_train_t2"),
+    # the data-parallel generation layout every step, and the checkpoint holds full weights. On
+    # a Qwen3 actor (`tiny_qwen3_model`): its per-head norms' gradients are summed over the two
+    # ranks, each of which holds half the heads.
+    pytest.param(["allocation_mode=actor_gen:d2,actor_train:d1t2,*:d2", "qwen3"],
+                 id="qwen3_gen_d2_train_t2"),
     # Critic-free GRPO, every MFC data-parallel over both workers.
     pytest.param(
         ["allocation_mode=d2", "ppo.disable_value=true", "ppo.adv_estimator=grpo"],
@@ -45,10 +48,13 @@ ALLOCATIONS = [
 
 
 @pytest.mark.parametrize("allocation", ALLOCATIONS)
-def test_ppo_math_runs_two_steps_on_two_workers(allocation, tiny_model, cli_env, tmp_path):
+def test_ppo_math_runs_two_steps_on_two_workers(allocation, request, cli_env, tmp_path):
+    qwen3 = "qwen3" in allocation
+    model = request.getfixturevalue("tiny_qwen3_model" if qwen3 else "tiny_model")
+    allocation = [key for key in allocation if key != "qwen3"]
     result = run_cli(
         "ppo-math",
-        [f"actor.path={tiny_model}", f"output_root={tmp_path}", *SMALL_PPO, *allocation],
+        [f"actor.path={model}", f"output_root={tmp_path}", *SMALL_PPO, *allocation],
         cli_env,
     )
     assert result.returncode == 0, describe(result)
@@ -92,6 +98,8 @@ def test_ppo_math_runs_two_steps_on_two_workers(allocation, tiny_model, cli_env,
     checkpoint = run_dir / "checkpoints" / "step000002"
     assert (checkpoint / "critic").is_dir() != disables_critic
     check_transformers_loads_the_same_logits(checkpoint / "actor")
+    saved = json.loads((checkpoint / "actor" / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM"]
 
 
 def test_forwards_run_ahead_train_exactly_as_the_plain_order(tiny_model, cli_env, tmp_path):

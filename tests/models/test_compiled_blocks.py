@@ -25,6 +25,7 @@ TINY = {**HF_TINY, "num_hidden_layers": 3}
 FAMILIES = {
     "qwen2": dict(model_type="qwen2", qkv_bias=True, tie_word_embeddings=True),
     "llama": dict(model_type="llama", qkv_bias=False, rope_theta=500000.0),
+    "qwen3": dict(model_type="qwen3", qk_norm=True, head_dim=32),
 }
 # Different token counts, lengths and attention kernels ("auto": per_sequence, then padded).
 FIRST_BATCH = [7, 1, 19, 12, 3]  # 42 tokens

@@ -69,6 +69,24 @@ def test_greedy_generation_equals_transformers_generate_token_for_token(models, 
         assert sequence.tolist() == expected.tolist()
 
 
+def test_qwen3_greedy_generation_and_sampled_log_probs_match_transformers(tmp_path, prompts):
+    # per-head query/key norms in the features-first decode step, head_dim 32 != 64 / 4
+    hf_model = save_hf(tmp_path, "qwen3", head_dim=32, eos_token_id=EOS)
+    model = load_pretrained(tmp_path)
+    packed, cu_seqlens = prompts
+    greedy = GenerationConfig(greedy=True, max_new_tokens=12)
+    output = generate(model, packed, cu_seqlens, greedy, torch.Generator().manual_seed(0))
+    for prompt, sequence in zip(packed.split(PROMPT_LENGTHS), split_sequences(output)):
+        with torch.no_grad():
+            expected = hf_model.generate(
+                prompt[None], max_new_tokens=12, do_sample=False, pad_token_id=0
+            )[0]
+        assert sequence.tolist() == expected.tolist()
+    sampled = GenerationConfig(n=2, max_new_tokens=8, temperature=0.8)
+    output = generate(model, packed, cu_seqlens, sampled, torch.Generator().manual_seed(1))
+    assert (output.packed_logprobs - forward_logprobs(model, output)).abs().max() <= 1e-5
+
+
 def test_sampled_log_probs_match_a_training_forward(models, prompts):
     _, model = models
     config = GenerationConfig(n=3, max_new_tokens=12, temperature=0.7, top_k=20, top_p=0.9)

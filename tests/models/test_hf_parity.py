@@ -18,6 +18,12 @@ FAMILIES = {
     "qwen2_untied": ("qwen2", {"tie_word_embeddings": False}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {"sliding_window": 4096}),
+    # Qwen3: per-head query/key norms, and a head_dim that is not hidden_size / heads (64 / 4)
+    "qwen3_untied": ("qwen3", {"head_dim": 32, "tie_word_embeddings": False}),
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+    # every layer windowed (max_window_layers=0: transformers windows layers from it on)
+    "qwen2_windowed": ("qwen2", {"use_sliding_window": True, "sliding_window": 4,
+                                 "max_window_layers": 0}),
     "llama3_rope_scaling": (
         "llama",
         {
@@ -126,6 +132,26 @@ def test_mistral_sliding_window_matches_transformers_beyond_the_window(tmp_path)
     with torch.no_grad():
         logits = model(packed, cu_seqlens)
     assert (logits - hf_logits_per_sequence(hf_model, sequences)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("max_window_layers,window", [(0, 4), (2, None)])
+def test_qwen_sliding_window_follows_transformers_per_layer_rule(tmp_path, max_window_layers,
+                                                                 window):
+    # transformers windows the layers from max_window_layers on: all of them, or none
+    hf_model = save_hf(tmp_path, "qwen3", use_sliding_window=True, sliding_window=4,
+                       max_window_layers=max_window_layers)
+    model = load_pretrained(tmp_path)
+    assert model.config.sliding_window == window
+    sequences, packed, cu_seqlens = random_packed_batch([11, 3, 9], model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(packed, cu_seqlens)
+    assert (logits - hf_logits_per_sequence(hf_model, sequences)).abs().max() <= 1e-5
+
+
+def test_qwen_windowing_some_layers_only_is_refused(tmp_path):
+    save_hf(tmp_path, "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    with pytest.raises(Exception, match="windows 1 of its 2 layers .* every layer or none"):
+        load_pretrained(tmp_path)
 
 
 def test_hf_named_state_dict_matches_the_transformers_state_dict(tmp_path):

@@ -234,7 +234,7 @@ def test_unsupported_architecture_error_names_config_and_supported_types(tmp_pat
     config["model_type"] = "falcon"
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        CheckpointError, match=r"config\.json.*'falcon'.*\['llama', 'mistral', 'qwen2'\]"
+        CheckpointError, match=r"config\.json.*'falcon'.*\['llama', 'mistral', 'qwen2', 'qwen3'\]"
     ):
         load_pretrained(tmp_path)
 

@@ -266,12 +266,16 @@ def test_sequence_parallel_norm_gradients_are_partial_until_summed_over_tp(ranks
         for name, per_model in result["forward_backward"].items():
             for key, error in per_model["partial_norms"].items():
                 marked = per_model["marked"][key]
+                # Qwen3's per-head query and key norms (2 layers x 2) are partial at any tp size
+                per_head = [n for n in marked if n.endswith(("q_norm.weight", "k_norm.weight"))]
+                assert len(per_head) == (4 if name == "qwen3" else 0), (name, marked)
                 if key.startswith("t2_sp"):
                     # 2 layers x 2 norms + the final norm, nothing else
-                    assert len(marked) == 5 and all("norm" in n for n in marked), marked
+                    assert len(marked) - len(per_head) == 5, marked
+                    assert all("norm" in n for n in marked), marked
                     assert error > 1e-3, (name, key, error)
-                else:
-                    assert marked == [] and error <= TOLERANCE, (name, key, error)
+                else:  # the norms over the hidden size see every token: their gradients full
+                    assert marked == per_head and error <= TOLERANCE, (name, key, error)
 
 
 def test_sequence_parallel_training_equals_t1_on_both_optimizer_backends(ranks):

@@ -19,6 +19,7 @@ from rank_processes import environment_for_ranks, rank_context, run_rank
 
 from realrl.algo import layout
 from realrl.algo.layout import packed_entropy, packed_shifted_logprobs
+from realrl.backends.optimizer_backend import sum_sequence_parallel_gradients
 from realrl.backends.torch_engine import ParallelContext, sharded_parameter_ids
 from realrl.models.config import ModelConfig
 from realrl.models.tensor_parallel import shard_state_dict, unshard_state_dicts
@@ -37,6 +38,8 @@ SHAPE = dict(
 CONFIGS = {
     "qwen2_untied": ModelConfig(**SHAPE, qkv_bias=True, model_type="qwen2"),
     "llama_tied": ModelConfig(**SHAPE, tie_word_embeddings=True),
+    # per-head norms: replicated, each rank's gradient a partial sum over its heads
+    "qwen3": ModelConfig(**SHAPE, qk_norm=True, head_dim=16, model_type="qwen3"),
     "critic": ModelConfig(**SHAPE, is_critic=True),
 }
 TOLERANCE = 1e-5
@@ -75,13 +78,16 @@ def gathered(output: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(pieces, dim=-1)
 
 
-def train_once(model: Transformer):
-    """Outputs, gradients and the log-probs after one AdamW step on the fixed batch."""
+def train_once(model: Transformer, parallel: ParallelContext | None = None):
+    """Outputs, gradients and the log-probs after one AdamW step on the fixed batch; a shard's
+    partial gradients summed over `parallel`'s tp group as the optimizer backends do."""
     packed, cu_seqlens = packed_batch(model.config.vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     output = model(packed, cu_seqlens, apply_lm_head=False)  # hidden states, or values
     loss, read_off = training_loss(model, output, packed, cu_seqlens)
     loss.backward()
+    if parallel is not None:
+        sum_sequence_parallel_gradients([(p, p.grad) for p in model.parameters()], parallel)
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     with torch.no_grad():
         logits = model(packed, cu_seqlens)  # this rank's vocabulary slice, or values
@@ -100,14 +106,13 @@ def max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def compare_with_single_device(rank: int, config: ModelConfig, group) -> dict:
     reference = full_model(config)
     reference.share_prefixes = False  # the shards run the shared tokens once; the reference not
-    shard = shard_module(
-        full_model(config), ParallelContext(tp_rank=rank, tp_size=2, tp_group=group)
-    )
+    parallel = ParallelContext(tp_rank=rank, tp_size=2, tp_group=group)
+    shard = shard_module(full_model(config), parallel)
     full = reference.state_dict()
     split_names = {n for n, p in shard.named_parameters() if p.shape != full[n].shape}
     marked_names = {n for n, p in shard.named_parameters() if id(p) in sharded_parameter_ids(shard)}
     ref_output, ref_read_off, ref_grads, ref_after = train_once(reference)
-    output, read_off, grads, after = train_once(shard)
+    output, read_off, grads, after = train_once(shard, parallel)
     if not config.is_critic:
         output = gathered(output, group)
     gathered_grads = [None, None]

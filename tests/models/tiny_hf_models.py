@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 TINY = dict(
     vocab_size=96,
@@ -14,7 +20,8 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
-CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+                  "mistral": MistralConfig}
 
 
 def build_hf_model(model_type: str, seed: int = 0, **overrides):
