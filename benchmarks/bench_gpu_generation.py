@@ -116,7 +116,7 @@ def transformers_runner(model, prompts, new_tokens: int):
 
 def decode_floor_s(config: dict, params: int, batch: int, mean_context: float,
                    ceilings: dict) -> float:
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_bytes_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] \
         * head_dim * 2
     bytes_moved = 2 * params + kv_bytes_per_token * batch * mean_context

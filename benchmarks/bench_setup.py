@@ -45,6 +45,16 @@ MODEL_SIZES = {
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                          max_position_embeddings=32768, rope_theta=1000000.0),
+    # Shaped like Qwen3-0.6B and -1.7B (their config.json: 0.60B and 1.72B parameters with the
+    # 151,936-token vocabulary; 16 query heads of 128 against a hidden size of 1024 / 2048).
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rope_theta=1000000.0),
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048,
+                       intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rope_theta=1000000.0),
 }
 
 
@@ -107,22 +117,24 @@ def arithmetic_reward(response: str, answer: str) -> float:
 class ModelShape:
     matmul_params: int  # weights in linear layers and the LM head
     num_layers: int
-    hidden_size: int
+    query_width: int  # heads x head_dim: what a token's attention scores and sums multiply
 
     @classmethod
     def from_config_dir(cls, directory: str | Path) -> ModelShape:
         config = json.loads((Path(directory) / "config.json").read_text())
         hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-        head_dim = hidden // config["num_attention_heads"]
+        # Qwen3 and others: head_dim apart from hidden / heads (Qwen3-0.6B: 16 x 128 vs 1024)
+        head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+        query_width = config["num_attention_heads"] * head_dim
         kv_width = config["num_key_value_heads"] * head_dim
-        attention = hidden * hidden * 2 + hidden * kv_width * 2  # q, o, k, v
+        attention = hidden * query_width * 2 + hidden * kv_width * 2  # q, o, k, v
         mlp = 3 * hidden * config["intermediate_size"]
         lm_head = hidden * config["vocab_size"]
-        return cls(layers * (attention + mlp) + lm_head, layers, hidden)
+        return cls(layers * (attention + mlp) + lm_head, layers, query_width)
 
     def forward_flops(self, num_tokens: int, mean_context: float) -> float:
         return 2.0 * self.matmul_params * num_tokens + (
-            4.0 * self.num_layers * self.hidden_size * mean_context * num_tokens)
+            4.0 * self.num_layers * self.query_width * mean_context * num_tokens)
 
 
 def rl_step_flops(shape: ModelShape, num_seqs: int, prompt_len: int, response_len: float,

@@ -31,8 +31,9 @@ DEFAULT_ARCHITECTURE = {
 def fresh_default_model(directory: str | Path, seed: int = 1,
                         architecture: dict | None = None) -> Path:
     """Write the tiny default model (random weights from `seed`) and its tokenizer;
-    `architecture` replaces `DEFAULT_ARCHITECTURE` (benchmarks use larger sizes)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    `architecture` replaces `DEFAULT_ARCHITECTURE` (benchmarks use larger sizes; its
+    `model_type`, default qwen2, picks the transformers family, e.g. qwen3)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(directory)
     if (directory / "config.json").is_file():
@@ -41,14 +42,15 @@ def fresh_default_model(directory: str | Path, seed: int = 1,
     tokenizer = build_char_tokenizer(directory)
     # An `architecture` may set a larger vocab_size than the tokenizer's (a real model's LM
     # head at benchmark size); the extra ids decode to nothing.
-    config = Qwen2Config(**{
+    shape = dict(architecture or DEFAULT_ARCHITECTURE)
+    config = AutoConfig.for_model(shape.pop("model_type", "qwen2"), **{
         "vocab_size": len(tokenizer), "bos_token_id": None,
         "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-        **(architecture or DEFAULT_ARCHITECTURE),
+        **shape,
     })
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     torch.random.set_rng_state(generator_state)
     model.save_pretrained(directory)
     (directory / "realrl_default.json").write_text(json.dumps({"seed": seed}))

@@ -34,6 +34,23 @@ def test_model_shape_counts_exactly_the_matmul_weights_of_the_benchmark_model(tm
     assert 3.5e6 < sum(p.numel() for p in model.parameters()) < 4.5e6
 
 
+def test_model_shape_counts_a_head_dim_apart_from_hidden_over_heads(tmp_path):
+    # Qwen3's attention is 16 heads x 128 wide against a hidden size of 1024: here 4 x 32 / 64
+    from transformers import AutoModelForCausalLM
+
+    from realrl.launcher.defaults import DEFAULT_ARCHITECTURE, fresh_default_model
+
+    shape = {**DEFAULT_ARCHITECTURE, "model_type": "qwen3", "hidden_size": 64,
+             "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32}
+    directory = fresh_default_model(tmp_path / "model", 0, shape)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    measured = ModelShape.from_config_dir(directory)
+    assert measured.matmul_params == linear and measured.query_width == 4 * 32
+
+
 def test_prompt_file_holds_fixed_length_prompts_with_answers(tmp_path):
     records = read_prompts(write_prompt_file(tmp_path / "prompts.jsonl", num_prompts=20))
     assert len(records) == 20

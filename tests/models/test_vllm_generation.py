@@ -495,11 +495,12 @@ BF16_LOGPROB_ATOL = 0.05
 FP32_LOGPROB_ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def engine_models(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def engine_models(tmp_path_factory, request):
+    """Two checkpoints of one family (Qwen3: the per-head query/key norms are pushed too)."""
     first, second = tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("second")
-    save_hf(first, "qwen2", eos_token_id=EOS, **GPU_TINY)
-    save_hf(second, "qwen2", seed=1, eos_token_id=EOS, **GPU_TINY)
+    save_hf(first, request.param, eos_token_id=EOS, **GPU_TINY)
+    save_hf(second, request.param, seed=1, eos_token_id=EOS, **GPU_TINY)
     return first, second
 
 
