@@ -44,6 +44,8 @@ class ModelShape:
     vocab_size: int
     tied_embeddings: bool = False
     value_head: bool = False  # a critic: a scalar head instead of the LM head
+    head_dim: int = 0  # 0: hidden_size / num_attention_heads (Qwen3's is its own: 128 at 1024)
+    qk_norm: bool = False  # Qwen3's per-head query and key norms
 
     @classmethod
     def from_hf_config(cls, config: dict, value_head: bool = False) -> ModelShape:
@@ -57,16 +59,27 @@ class ModelShape:
             vocab_size=config["vocab_size"],
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             value_head=value_head,
+            head_dim=config.get("head_dim") or 0,
+            qk_norm=config.get("model_type") == "qwen3",
         )
 
     @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_size(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
     def key_value_size(self) -> int:
-        return self.num_key_value_heads * (self.hidden_size // self.num_attention_heads)
+        return self.num_key_value_heads * self.attention_head_dim
 
     @property
     def layer_matmul_parameters(self) -> int:
         h = self.hidden_size
-        return h * (h + 2 * self.key_value_size) + h * h + 3 * h * self.intermediate_size
+        return (h * (self.query_size + 2 * self.key_value_size) + self.query_size * h
+                + 3 * h * self.intermediate_size)
 
     @property
     def head_parameters(self) -> int:
@@ -74,10 +87,12 @@ class ModelShape:
 
     @property
     def num_parameters(self) -> int:
-        """Layers (matmuls and two norms), embedding, final norm, and the head unless tied."""
+        """Layers (matmuls and two norms, Qwen3's two per-head ones), embedding, final norm,
+        and the head unless tied."""
         h = self.hidden_size
+        norms = 2 * h + (2 * self.attention_head_dim if self.qk_norm else 0)
         untied_head = self.value_head or not self.tied_embeddings
-        return (self.num_layers * (self.layer_matmul_parameters + 2 * h) + self.vocab_size * h
+        return (self.num_layers * (self.layer_matmul_parameters + norms) + self.vocab_size * h
                 + h + (self.head_parameters if untied_head else 0))
 
     def forward_flops_per_token(self, context: float) -> float:
@@ -86,7 +101,7 @@ class ModelShape:
     def body_flops_per_token(self, context: float) -> float:
         """The transformer layers' matmuls and attention scores."""
         return (2 * self.num_layers * self.layer_matmul_parameters
-                + 4 * self.num_layers * self.hidden_size * context)
+                + 4 * self.num_layers * self.query_size * context)
 
     @property
     def head_flops_per_token(self) -> float:

@@ -46,6 +46,24 @@ def test_model_shape_reads_a_hugging_face_config():
                                      value_head=True).value_head
 
 
+def test_a_head_dim_of_its_own_and_qk_norms_count_like_transformers_model():
+    # Qwen3: 4 heads x 32 against a hidden size of 64; the parameters of transformers' model
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64,
+              "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 32, "vocab_size": 100, "tie_word_embeddings": True}
+    shape = ModelShape.from_hf_config(config)
+    assert (shape.query_size, shape.key_value_size) == (128, 64)
+    hf_config = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    assert shape.num_parameters == sum(p.numel() for p in model.parameters())
+    # attention scores and sums: 4 x layers x (heads x head_dim) x context per token
+    assert shape.body_flops_per_token(10) - shape.body_flops_per_token(0) == 4 * 2 * 128 * 10
+
+
 def test_inference_compute_divides_tokens_over_data_and_flops_over_tensor_ranks():
     # 12 tokens x (2464 + 4*2*8*2 = 2592 FLOPs at context 2) / 1000 FLOP/s = 31.104 s
     inference = work(WorkKind.inference)
