@@ -41,7 +41,13 @@ from realrl.algo.layout import (
     shifted_cu_seqlens,
     shifted_values,
 )
-from realrl.algo.losses import LossOutput, entropy_bonus_loss, ppo_policy_loss, value_loss
+from realrl.algo.losses import (
+    LossOutput,
+    entropy_bonus_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+    value_loss,
+)
 from realrl.algo.offpolicy import (
     BehaviourWeights,
     behaviour_importance_weights,
@@ -74,6 +80,7 @@ __all__ = [
     "dynamic_sampling_filter",
     "entropy_bonus_loss",
     "get_advantage_estimator",
+    "gspo_policy_loss",
     "interpolated_proximal_logprobs",
     "kl_estimate",
     "kl_penalized_token_rewards",

@@ -25,6 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from realrl.algo.layout import segment_ids, segment_mean, shifted_cu_seqlens
+
+# GSPO's cap on a sequence's log-ratio before the exponential (as verl's implementation): a
+# sequence whose mean token log-ratio exceeds it is e^10 off-policy, and its gradient stops.
+GSPO_MAX_LOG_RATIO = 10.0
+
 
 @dataclass
 class LossOutput:
@@ -104,6 +110,63 @@ def ppo_policy_loss(
         "approx_kl": _masked_mean(approx_kl, mask),
         "ratio_mean": ratio_mean,
         "early_stopped": early_stopped,
+        "num_tokens": mask.sum().float(),
+    }
+    return LossOutput(loss, stats)
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    eps_clip: float = 3e-4,
+    eps_clip_high: float | None = 4e-4,
+    behaviour_weights: torch.Tensor | None = None,
+) -> LossOutput:
+    """GSPO, Zheng et al. 2025 (arXiv:2507.18071), in its GSPO-token form, eqs. (5)-(7) and
+    (13)-(14): the clipped surrogate of the *sequence's* ratio, as a per-token loss.
+
+    Sequence ``i``'s ratio is the geometric mean of its tokens' ratios,
+    ``s_i = exp(mean_t (log pi(y_it) - log pi_old(y_it)))`` over its response tokens, and
+    token ``t`` carries ``s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)]``: equal to ``s_i`` in value,
+    with the gradient of ``log pi(y_it)``. With one advantage per sequence (GRPO's), the
+    per-token loss ``max(-A s_it, -A clip(s_it, 1 - eps_clip, 1 + eps_clip_high))`` averaged
+    per sequence (``ppo.loss_agg_mode=seq-mean-token-mean``) is GSPO's sequence objective and
+    its gradient. A sequence is clipped whole; the paper's ranges are 3e-4 and 4e-4 (a
+    sequence's mean ratio spreads far less than a token's).
+
+    ``cu_seqlens [num_seqs + 1]``: the packed sequences' boundaries (the tensors here are
+    shifted). ``behaviour_weights`` as in `ppo_policy_loss` (the decoupled objective). Stats as
+    `ppo_policy_loss`'s, per token: ``clip_fraction`` counts the tokens of clipped sequences,
+    ``ratio_mean`` averages ``s_i`` over tokens; ``dual_clip_fraction`` and ``early_stopped`` are
+    0 (neither applies).
+    """
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
+    mask = loss_mask.bool()
+    shifted = shifted_cu_seqlens(cu_seqlens)
+    log_ratio = (logprobs.float() - old_logprobs.detach().float()) * mask
+    sequence_log_ratio = segment_mean(log_ratio.detach(), mask, shifted)  # [num_seqs]
+    per_token_log_ratio = sequence_log_ratio[segment_ids(shifted)]  # [total_tokens - num_seqs]
+    log_s = logprobs.float() - logprobs.detach().float() + per_token_log_ratio
+    ratio = torch.exp(log_s.clamp(max=GSPO_MAX_LOG_RATIO))
+    advantages = advantages.detach().float()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if behaviour_weights is not None:
+        loss = loss * behaviour_weights.detach().float()
+    loss = loss * mask
+    approx_kl = torch.expm1(log_ratio.detach()) - log_ratio.detach()  # per token, as PPO's
+    zero = torch.zeros((), device=loss.device)
+    stats = {
+        "clip_fraction": _masked_mean((clipped > unclipped).float(), mask),
+        "dual_clip_fraction": zero,
+        "approx_kl": _masked_mean(approx_kl, mask),
+        "ratio_mean": _masked_mean(ratio.detach(), mask),
+        "early_stopped": zero,
         "num_tokens": mask.sum().float(),
     }
     return LossOutput(loss, stats)

@@ -143,6 +143,7 @@ ADVANTAGE_ESTIMATORS = (
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
+POLICY_LOSSES = ("ppo", "gspo")
 # The choices of the off-policy keys (realrl.algo.offpolicy holds the same tuples; a test
 # checks that they agree).
 PROXIMAL_LOGPROB_METHODS = ("forward", "interpolate")
@@ -166,6 +167,12 @@ class PPOHyperparameters:
         "training forward: critic_inf keeps its graph for critic_train, and actor_train's "
         "forward runs beside ref_inf and critic_inf. Same updates; holds a call's activations "
         "until its train call. false: plain order.",
+    )
+    policy_loss: str = help_field(
+        "ppo",
+        "ppo: the clipped surrogate of each token's ratio. gspo (Zheng et al. 2025): of each "
+        "sequence's ratio, the geometric mean of its tokens' (clipped whole); use its paper's "
+        "ppo.eps_clip=3e-4 ppo.eps_clip_high=4e-4 and ppo.loss_agg_mode=seq-mean-token-mean.",
     )
     eps_clip: float = help_field(0.2, "PPO ratio clip range (low side, and high side by default).")
     eps_clip_high: float | None = help_field(
@@ -261,6 +268,14 @@ class PPOHyperparameters:
                 f"`{prefix}.adv_estimator={self.adv_estimator}` is unknown; choose one of "
                 f"{', '.join(ADVANTAGE_ESTIMATORS)}."
             )
+        if self.policy_loss not in POLICY_LOSSES:
+            problems.append(f"`{prefix}.policy_loss={self.policy_loss}` is unknown; choose one of "
+                            f"{', '.join(POLICY_LOSSES)}.")
+        if self.policy_loss == "gspo":
+            problems += [
+                f"`{prefix}.{key}={getattr(self, key)}` bounds token ratios, which "
+                f"`{prefix}.policy_loss=gspo` does not clip; set it to null."
+                for key in ("dual_clip", "ratio_early_stop") if getattr(self, key) is not None]
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             problems.append(
                 f"`{prefix}.loss_agg_mode={self.loss_agg_mode}` is unknown; choose one of "

@@ -66,7 +66,7 @@ WEIGHT_VERSIONS_KEY = "packed_weight_versions"  # per token, shifted; -1 before 
 @register_experiment("ppo-math")
 @dataclass
 class PPOMathConfig(BaseExperimentConfig):
-    """PPO-family RL (PPO, GRPO, Dr.GRPO, DAPO, RLOO, REINFORCE++, ReMax) on math/code prompts."""
+    """PPO-family RL (PPO, GRPO, Dr.GRPO, DAPO, GSPO, RLOO, REINFORCE++, ReMax) on math/code."""
 
     key_help: ClassVar[dict[str, str]] = {
         "critic.path": linked_path_help("actor", ", with a zero-initialised value head"),
@@ -256,6 +256,15 @@ class PPOMathConfig(BaseExperimentConfig):
             notes.append("rm.path is actor.path (or empty): the reward model is the policy with "
                          "a zero-initialised value head, which scores every response 0; set "
                          "rm.path to an `rw` run's checkpoint.")
+        ppo = self.ppo
+        if ppo.policy_loss == "gspo" and (ppo.eps_clip > 0.01
+                                          or ppo.loss_agg_mode != "seq-mean-token-mean"):
+            notes.append(
+                f"ppo.policy_loss=gspo with ppo.eps_clip={ppo.eps_clip}, "
+                f"ppo.loss_agg_mode={ppo.loss_agg_mode}: GSPO's paper clips a sequence's ratio "
+                "(the geometric mean of its tokens', which spreads far less than one token's) "
+                "to 3e-4 / 4e-4 and averages per sequence; set ppo.eps_clip=3e-4 "
+                "ppo.eps_clip_high=4e-4 ppo.loss_agg_mode=seq-mean-token-mean to follow it.")
         if rollout_filter is not None:
             notes.append(
                 f"rollout filter after {rollout_filter.after_mfc}: keep the best {self.group_size} of "

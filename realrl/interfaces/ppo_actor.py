@@ -26,7 +26,7 @@ import torch
 from realrl.algo.aggregation import aggregate_loss, loss_normaliser
 from realrl.algo.kl import kl_estimate
 from realrl.algo.layout import response_mask
-from realrl.algo.losses import entropy_bonus_loss, ppo_policy_loss
+from realrl.algo.losses import entropy_bonus_loss, gspo_policy_loss, ppo_policy_loss
 from realrl.algo.offpolicy import behaviour_importance_weights, interpolated_proximal_logprobs
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
@@ -269,9 +269,11 @@ class PPOActorInterface:
         return loss, stats
 
     def _policy_loss(self, logprobs: torch.Tensor, part: SequenceSample):
-        """The clipped surrogate per token, against the behaviour policy (``old_logprobs``, the
-        generation's log-probs), or with ``ppo.decoupled_loss`` against the proximal policy,
-        times the capped behaviour weight (`realrl.algo.offpolicy`; None otherwise)."""
+        """The clipped surrogate per token (of each token's ratio, or with
+        ``ppo.policy_loss=gspo`` of its sequence's), against the behaviour policy
+        (``old_logprobs``, the generation's log-probs), or with ``ppo.decoupled_loss`` against
+        the proximal policy, times the capped behaviour weight (`realrl.algo.offpolicy`; None
+        otherwise)."""
         ppo = self.ppo
         loss_mask = part.data["loss_mask"]  # [total_tokens - num_seqs]
         old_logprobs = part.data["old_logprobs"]  # [total_tokens - num_seqs] behaviour
@@ -288,6 +290,13 @@ class PPOActorInterface:
                 cap=ppo.behav_imp_weight_cap,
             )
             old_logprobs = proximal
+        weights = None if behaviour is None else behaviour.weights
+        if ppo.policy_loss == "gspo":
+            policy = gspo_policy_loss(
+                logprobs, old_logprobs, part.data["advantages"], loss_mask,
+                part.cu_seqlens("packed_input_ids"), eps_clip=ppo.eps_clip,
+                eps_clip_high=ppo.eps_clip_high, behaviour_weights=weights)
+            return policy, behaviour
         policy = ppo_policy_loss(
             logprobs,
             old_logprobs,
@@ -297,7 +306,7 @@ class PPOActorInterface:
             eps_clip_high=ppo.eps_clip_high,
             dual_clip=ppo.dual_clip,
             ratio_early_stop=ppo.ratio_early_stop,
-            behaviour_weights=None if behaviour is None else behaviour.weights,
+            behaviour_weights=weights,
         )
         return policy, behaviour
 

@@ -7,7 +7,7 @@ import torch
 
 from realrl.algo.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normaliser
 from realrl.algo.layout import response_mask
-from realrl.algo.losses import entropy_bonus_loss, ppo_policy_loss, value_loss
+from realrl.algo.losses import entropy_bonus_loss, gspo_policy_loss, ppo_policy_loss, value_loss
 
 # Five shifted entries; the last is masked out (it must not count anywhere).
 RATIOS = [1.5, 0.5, 1.1, 4.0, 9.0]
@@ -71,6 +71,61 @@ def test_dual_clip_must_exceed_one():
     logprobs, old = _logprobs()
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         ppo_policy_loss(logprobs, old, ADVANTAGES, MASK, dual_clip=0.9)
+
+
+def test_gspo_loss_by_hand_clips_whole_sequences_by_their_mean_log_ratio():
+    # Two packed sequences of 3 tokens: shifted entries [s0 t1, s0 t2, s1 t1, s1 t2], the first
+    # of sequence 1 a prompt token. Sequence 0's token log-ratios 1e-4 and 3e-4: s0 = e^2e-4,
+    # inside [1 - 3e-4, 1 + 4e-4]; sequence 1's one response token 1e-3: s1 = e^1e-3, above.
+    cu_seqlens = torch.tensor([0, 3, 6], dtype=torch.int32)
+    mask = torch.tensor([True, True, False, True])
+    old = torch.tensor([-1.0, -2.0, -0.7, -0.5])
+    new = (old + torch.tensor([1e-4, 3e-4, 0.5, 1e-3])).requires_grad_(True)
+    advantages = torch.tensor([1.0, 1.0, 1.0, 1.0])  # one per sequence, GRPO's
+    out = gspo_policy_loss(new, old, advantages, mask, cu_seqlens, eps_clip=3e-4,
+                           eps_clip_high=4e-4)
+    s0 = math.exp(2e-4)
+    torch.testing.assert_close(out.per_token_loss.detach(),
+                               torch.tensor([-s0, -s0, 0.0, -1.0004]), atol=1e-7, rtol=0)
+    out.per_token_loss.sum().backward()
+    # d(-s_it)/d log pi_t = -s0 in sequence 0; sequence 1 is clipped whole: no gradient
+    torch.testing.assert_close(new.grad, torch.tensor([-s0, -s0, 0.0, 0.0]), atol=1e-7, rtol=0)
+    assert out.stats["clip_fraction"].item() == pytest.approx(1 / 3)  # its 1 of 3 tokens
+    # the unclipped sequence ratios, per token
+    assert out.stats["ratio_mean"].item() == pytest.approx((2 * s0 + math.exp(1e-3)) / 3,
+                                                           abs=1e-6)
+
+
+def test_gspo_per_token_loss_averaged_per_sequence_is_the_sequence_objective():
+    # GSPO's eq. (5): mean_i max(-A_i s_i, -A_i clip(s_i)), s_i = exp(mean_t log-ratio); the
+    # per-token form under seq-mean-token-mean gives its value and its gradient.
+    generator = torch.Generator().manual_seed(2)  # sequences 0 and 1 clip, 2 and 3 not
+    lengths = [5, 2, 7, 4]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    mask = response_mask(torch.tensor([2, 1, 3, 1]), torch.tensor(lengths))
+    old = -torch.rand(mask.numel(), generator=generator) - 0.5
+    new = (old + 2e-3 * torch.randn(mask.numel(), generator=generator)).requires_grad_(True)
+    sequence_advantages = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    shifted = [length - 1 for length in lengths]
+    advantages = torch.repeat_interleave(sequence_advantages, torch.tensor(shifted))
+    out = gspo_policy_loss(new, old, advantages, mask, cu_seqlens, eps_clip=3e-4,
+                           eps_clip_high=4e-4)
+    normaliser = loss_normaliser("seq-mean-token-mean", mask, cu_seqlens)
+    loss = aggregate_loss(out.per_token_loss, mask, cu_seqlens, "seq-mean-token-mean", normaliser)
+    (ours,) = torch.autograd.grad(loss, new)
+    reference_new = new.detach().clone().requires_grad_(True)
+    terms = []
+    for log_ratio, seq_mask, advantage in zip((reference_new - old).split(shifted),
+                                              mask.split(shifted), sequence_advantages):
+        s = torch.exp(log_ratio[seq_mask].mean())
+        terms.append(torch.maximum(-advantage * s,
+                                   -advantage * s.clamp(1 - 3e-4, 1 + 4e-4)))
+    reference = torch.stack(terms).mean()
+    (expected,) = torch.autograd.grad(reference, reference_new)
+    torch.testing.assert_close(loss, reference, atol=1e-7, rtol=0)
+    torch.testing.assert_close(ours, expected, atol=1e-7, rtol=0)
+    # response tokens 3, 1, 4, 3 (lengths minus prompts): the first two sequences clip
+    assert out.stats["clip_fraction"].item() == pytest.approx((3 + 1) / 11)
 
 
 def test_value_loss_by_hand_takes_the_larger_clipped_error_with_half_factor():

@@ -137,3 +137,27 @@ def test_the_config_names_the_registrys_group_baseline_estimators():
     assert rl_config.ADVANTAGE_ESTIMATORS == tuple(ADVANTAGE_ESTIMATORS)
     assert set(rl_config.GROUP_ESTIMATORS) == {
         name for name, estimator in ADVANTAGE_ESTIMATORS.items() if estimator.needs_groups}
+
+
+def test_gspo_refuses_token_ratio_bounds_and_notes_ranges_unlike_its_papers(tmp_path):
+    entry = get_experiment("ppo-math")
+    with pytest.raises(ConfigError) as caught:
+        resolve_config(entry.config_class, ["ppo.policy_loss=gspo", "ppo.dual_clip=3",
+                                            "ppo.ratio_early_stop=0.5"],
+                       defaults={"experiment_name": "ppo-math"})
+    assert caught.value.problems == [
+        "`ppo.dual_clip=3.0` bounds token ratios, which `ppo.policy_loss=gspo` does not clip; "
+        "set it to null.",
+        "`ppo.ratio_early_stop=0.5` bounds token ratios, which `ppo.policy_loss=gspo` does not "
+        "clip; set it to null."]
+    with pytest.raises(ConfigError, match="`ppo.policy_loss=gpso` is unknown; choose one of "
+                                          "ppo, gspo"):
+        resolve_config(entry.config_class, ["ppo.policy_loss=gpso"],
+                       defaults={"experiment_name": "ppo-math"})
+    paper = ["ppo.policy_loss=gspo", "ppo.eps_clip=3e-4", "ppo.eps_clip_high=4e-4",
+             "ppo.loss_agg_mode=seq-mean-token-mean"]
+    for overrides, noted in ((paper, False), (["ppo.policy_loss=gspo"], True)):
+        config = resolve_config(entry.config_class, overrides,
+                                defaults={"experiment_name": "ppo-math"})
+        notes = config.build().notes
+        assert any("GSPO's paper clips" in note for note in notes) == noted, notes
