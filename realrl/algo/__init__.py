@@ -43,6 +43,7 @@ from realrl.algo.layout import (
 )
 from realrl.algo.losses import (
     LossOutput,
+    cispo_policy_loss,
     entropy_bonus_loss,
     gspo_policy_loss,
     ppo_policy_loss,
@@ -77,6 +78,7 @@ __all__ = [
     "aggregate_loss",
     "behaviour_importance_weights",
     "compute_advantages",
+    "cispo_policy_loss",
     "dynamic_sampling_filter",
     "entropy_bonus_loss",
     "get_advantage_estimator",

@@ -103,16 +103,26 @@ def ppo_policy_loss(
     if ratio_early_stop is not None:
         early_stopped = ((ratio_mean - 1.0).abs() > ratio_early_stop).float()
         loss = loss * (1.0 - early_stopped)
-    approx_kl = torch.expm1(log_ratio.detach()) - log_ratio.detach()  # k3 with r = new / old
-    stats = {
-        "clip_fraction": _masked_mean(clip_active.float(), mask),
-        "dual_clip_fraction": _masked_mean(dual_active.float(), mask),
-        "approx_kl": _masked_mean(approx_kl, mask),
-        "ratio_mean": ratio_mean,
-        "early_stopped": early_stopped,
+    stats = _policy_stats(clip_active, log_ratio, ratio, mask, dual_active, early_stopped)
+    return LossOutput(loss, stats)
+
+
+def _policy_stats(clipped: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor,
+                  mask: torch.Tensor, dual_clipped: torch.Tensor | None = None,
+                  early_stopped: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The statistics every policy loss reports (see `ppo_policy_loss`): ``clipped`` and
+    ``dual_clipped`` mark tokens, ``ratio`` is what the loss weighs each token by."""
+    zero = torch.zeros((), device=ratio.device)
+    log_ratio = log_ratio.detach()
+    return {
+        "clip_fraction": _masked_mean(clipped.float(), mask),
+        "dual_clip_fraction": zero if dual_clipped is None else _masked_mean(
+            dual_clipped.float(), mask),
+        "approx_kl": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),  # k3, r = new/old
+        "ratio_mean": _masked_mean(ratio.detach(), mask),
+        "early_stopped": zero if early_stopped is None else early_stopped,
         "num_tokens": mask.sum().float(),
     }
-    return LossOutput(loss, stats)
 
 
 def gspo_policy_loss(
@@ -159,17 +169,39 @@ def gspo_policy_loss(
     if behaviour_weights is not None:
         loss = loss * behaviour_weights.detach().float()
     loss = loss * mask
-    approx_kl = torch.expm1(log_ratio.detach()) - log_ratio.detach()  # per token, as PPO's
-    zero = torch.zeros((), device=loss.device)
-    stats = {
-        "clip_fraction": _masked_mean((clipped > unclipped).float(), mask),
-        "dual_clip_fraction": zero,
-        "approx_kl": _masked_mean(approx_kl, mask),
-        "ratio_mean": _masked_mean(ratio.detach(), mask),
-        "early_stopped": zero,
-        "num_tokens": mask.sum().float(),
-    }
-    return LossOutput(loss, stats)
+    return LossOutput(loss, _policy_stats(clipped > unclipped, log_ratio, ratio, mask))
+
+
+def cispo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    behaviour_weights: torch.Tensor | None = None,
+) -> LossOutput:
+    """CISPO, MiniMax 2025 (MiniMax-M1, arXiv:2506.13585, eq. (4)): clip the importance weight,
+    not the update. Each token's gradient is ``sg[clip(ratio, 1 - eps_clip, 1 + eps_clip_high)]
+    * A * grad log pi``: a token past the band still learns, with its weight truncated, where
+    PPO's clipped branch would drop its gradient.
+
+    The per-token loss is ``-sg[w] * A * exp(log pi - sg[log pi])``: ``-w * A`` in value (the
+    surrogate's, comparable with `ppo_policy_loss`'s) and that gradient. Stats as
+    `ppo_policy_loss`'s; ``clip_fraction`` counts the tokens whose weight was truncated.
+    """
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
+    mask = loss_mask.bool()
+    log_ratio = (logprobs.float() - old_logprobs.detach().float()) * mask
+    ratio = torch.exp(log_ratio.detach())
+    weight = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    advantages = advantages.detach().float()
+    loss = -weight * advantages * torch.exp(logprobs.float() - logprobs.detach().float())
+    if behaviour_weights is not None:
+        loss = loss * behaviour_weights.detach().float()
+    loss = loss * mask
+    return LossOutput(loss, _policy_stats(weight != ratio, log_ratio, ratio, mask))
 
 
 def value_loss(

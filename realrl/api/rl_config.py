@@ -143,7 +143,7 @@ ADVANTAGE_ESTIMATORS = (
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
-POLICY_LOSSES = ("ppo", "gspo")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 # The choices of the off-policy keys (realrl.algo.offpolicy holds the same tuples; a test
 # checks that they agree).
 PROXIMAL_LOGPROB_METHODS = ("forward", "interpolate")
@@ -172,7 +172,10 @@ class PPOHyperparameters:
         "ppo",
         "ppo: the clipped surrogate of each token's ratio. gspo (Zheng et al. 2025): of each "
         "sequence's ratio, the geometric mean of its tokens' (clipped whole); use its paper's "
-        "ppo.eps_clip=3e-4 ppo.eps_clip_high=4e-4 and ppo.loss_agg_mode=seq-mean-token-mean.",
+        "ppo.eps_clip=3e-4 ppo.eps_clip_high=4e-4 and ppo.loss_agg_mode=seq-mean-token-mean. "
+        "cispo (MiniMax-M1): every token learns, weighted by its ratio clipped to [1 - "
+        "eps_clip, 1 + eps_clip_high] (MiniMax: no lower bound, e.g. eps_clip=1, and a tuned "
+        "eps_clip_high).",
     )
     eps_clip: float = help_field(0.2, "PPO ratio clip range (low side, and high side by default).")
     eps_clip_high: float | None = help_field(
@@ -271,10 +274,11 @@ class PPOHyperparameters:
         if self.policy_loss not in POLICY_LOSSES:
             problems.append(f"`{prefix}.policy_loss={self.policy_loss}` is unknown; choose one of "
                             f"{', '.join(POLICY_LOSSES)}.")
-        if self.policy_loss == "gspo":
+        if self.policy_loss != "ppo":
             problems += [
-                f"`{prefix}.{key}={getattr(self, key)}` bounds token ratios, which "
-                f"`{prefix}.policy_loss=gspo` does not clip; set it to null."
+                f"`{prefix}.{key}={getattr(self, key)}` bounds the clipped surrogate of token "
+                f"ratios, which `{prefix}.policy_loss={self.policy_loss}` does not use; set it "
+                "to null."
                 for key in ("dual_clip", "ratio_early_stop") if getattr(self, key) is not None]
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             problems.append(

@@ -26,7 +26,12 @@ import torch
 from realrl.algo.aggregation import aggregate_loss, loss_normaliser
 from realrl.algo.kl import kl_estimate
 from realrl.algo.layout import response_mask
-from realrl.algo.losses import entropy_bonus_loss, gspo_policy_loss, ppo_policy_loss
+from realrl.algo.losses import (
+    cispo_policy_loss,
+    entropy_bonus_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+)
 from realrl.algo.offpolicy import behaviour_importance_weights, interpolated_proximal_logprobs
 from realrl.api.data import SequenceSample
 from realrl.api.dfg import MicroBatchSpec
@@ -269,11 +274,11 @@ class PPOActorInterface:
         return loss, stats
 
     def _policy_loss(self, logprobs: torch.Tensor, part: SequenceSample):
-        """The clipped surrogate per token (of each token's ratio, or with
-        ``ppo.policy_loss=gspo`` of its sequence's), against the behaviour policy
-        (``old_logprobs``, the generation's log-probs), or with ``ppo.decoupled_loss`` against
-        the proximal policy, times the capped behaviour weight (`realrl.algo.offpolicy`; None
-        otherwise)."""
+        """The policy loss per token (``ppo.policy_loss``: PPO's clipped surrogate of each
+        token's ratio, GSPO's of its sequence's, or CISPO's truncated weight), against the
+        behaviour policy (``old_logprobs``, the generation's log-probs), or with
+        ``ppo.decoupled_loss`` against the proximal policy, times the capped behaviour weight
+        (`realrl.algo.offpolicy`; None otherwise)."""
         ppo = self.ppo
         loss_mask = part.data["loss_mask"]  # [total_tokens - num_seqs]
         old_logprobs = part.data["old_logprobs"]  # [total_tokens - num_seqs] behaviour
@@ -296,6 +301,11 @@ class PPOActorInterface:
                 logprobs, old_logprobs, part.data["advantages"], loss_mask,
                 part.cu_seqlens("packed_input_ids"), eps_clip=ppo.eps_clip,
                 eps_clip_high=ppo.eps_clip_high, behaviour_weights=weights)
+            return policy, behaviour
+        if ppo.policy_loss == "cispo":
+            policy = cispo_policy_loss(
+                logprobs, old_logprobs, part.data["advantages"], loss_mask,
+                eps_clip=ppo.eps_clip, eps_clip_high=ppo.eps_clip_high, behaviour_weights=weights)
             return policy, behaviour
         policy = ppo_policy_loss(
             logprobs,

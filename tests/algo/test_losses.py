@@ -7,7 +7,13 @@ import torch
 
 from realrl.algo.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normaliser
 from realrl.algo.layout import response_mask
-from realrl.algo.losses import entropy_bonus_loss, gspo_policy_loss, ppo_policy_loss, value_loss
+from realrl.algo.losses import (
+    cispo_policy_loss,
+    entropy_bonus_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+    value_loss,
+)
 
 # Five shifted entries; the last is masked out (it must not count anywhere).
 RATIOS = [1.5, 0.5, 1.1, 4.0, 9.0]
@@ -126,6 +132,20 @@ def test_gspo_per_token_loss_averaged_per_sequence_is_the_sequence_objective():
     torch.testing.assert_close(ours, expected, atol=1e-7, rtol=0)
     # response tokens 3, 1, 4, 3 (lengths minus prompts): the first two sequences clip
     assert out.stats["clip_fraction"].item() == pytest.approx((3 + 1) / 11)
+
+
+def test_cispo_truncates_the_weight_and_keeps_every_tokens_gradient():
+    # RATIOS 1.5, 0.5, 1.1, 4.0 (masked: 9.0) with eps_clip 0.2, eps_clip_high 0.28: weights
+    # 1.28, 0.8, 1.1, 1.28. PPO gives token 0 no gradient (A > 0 above the band), CISPO weight
+    # 1.28; token 3 (A < 0, ratio 4) keeps PPO's unclipped weight 4, which CISPO truncates.
+    logprobs, old = _logprobs()
+    out = cispo_policy_loss(logprobs, old, ADVANTAGES, MASK, eps_clip=0.2, eps_clip_high=0.28)
+    weights = torch.tensor([1.28, 0.8, 1.1, 1.28, 0.0])
+    torch.testing.assert_close(out.per_token_loss.detach(), -weights * ADVANTAGES)
+    out.per_token_loss.sum().backward()
+    torch.testing.assert_close(logprobs.grad, -weights * ADVANTAGES)  # d/d log pi
+    assert out.stats["clip_fraction"].item() == pytest.approx(3 / 4)  # 1.5, 0.5, 4.0 truncated
+    assert out.stats["ratio_mean"].item() == pytest.approx(1.775)
 
 
 def test_value_loss_by_hand_takes_the_larger_clipped_error_with_half_factor():

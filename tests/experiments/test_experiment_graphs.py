@@ -146,12 +146,11 @@ def test_gspo_refuses_token_ratio_bounds_and_notes_ranges_unlike_its_papers(tmp_
                                             "ppo.ratio_early_stop=0.5"],
                        defaults={"experiment_name": "ppo-math"})
     assert caught.value.problems == [
-        "`ppo.dual_clip=3.0` bounds token ratios, which `ppo.policy_loss=gspo` does not clip; "
-        "set it to null.",
-        "`ppo.ratio_early_stop=0.5` bounds token ratios, which `ppo.policy_loss=gspo` does not "
-        "clip; set it to null."]
+        f"`ppo.{key}` bounds the clipped surrogate of token ratios, which "
+        "`ppo.policy_loss=gspo` does not use; set it to null."
+        for key in ("dual_clip=3.0", "ratio_early_stop=0.5")]
     with pytest.raises(ConfigError, match="`ppo.policy_loss=gpso` is unknown; choose one of "
-                                          "ppo, gspo"):
+                                          "ppo, gspo, cispo"):
         resolve_config(entry.config_class, ["ppo.policy_loss=gpso"],
                        defaults={"experiment_name": "ppo-math"})
     paper = ["ppo.policy_loss=gspo", "ppo.eps_clip=3e-4", "ppo.eps_clip_high=4e-4",

@@ -159,25 +159,28 @@ def test_one_and_four_microbatches_give_the_same_parameters(tokenizer, mode):
     torch.testing.assert_close(parameters[0], parameters[1], atol=1e-6, rtol=0)
 
 
-def test_gspo_trains_the_same_over_micro_batches_and_differently_from_token_clipping(tokenizer):
-    # Two epochs: the second sees ratios != 1, which GSPO clips per sequence (tight ranges).
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_other_policy_losses_train_the_same_over_micro_batches_and_unlike_ppo(tokenizer, loss):
+    # Two epochs: the second sees ratios != 1, which GSPO clips per sequence and CISPO
+    # truncates per token (tight ranges, so that both act).
     reference_engine = make_engine(build_model(len(tokenizer), seed=1), tokenizer, lr=None)
     parameters, clip = {}, {}
-    for loss, spec in (("gspo", MicroBatchSpec()), ("gspo", MicroBatchSpec(min_num_microbatches=4)),
+    for name, spec in ((loss, MicroBatchSpec()), (loss, MicroBatchSpec(min_num_microbatches=4)),
                        ("ppo", MicroBatchSpec())):
         config = actor_config(adv_estimator="grpo", kl_ctl=0.05, num_epochs=2,
-                              loss_agg_mode="seq-mean-token-mean", policy_loss=loss,
+                              loss_agg_mode="seq-mean-token-mean", policy_loss=name,
                               eps_clip=3e-4, eps_clip_high=4e-4)
         engine = make_engine(build_model(len(tokenizer)), tokenizer, lr=1e-3, adam_eps=1e-4)
         data = _four_sample_rollout(engine, tokenizer)
         data.update_(ReferenceInterface().inference(reference_engine, data, spec).data)
         stats = PPOActorInterface(config).train_step(engine, data, spec).stats
-        key = f"{loss}/{spec.min_num_microbatches}"
+        key = f"{name}/{spec.min_num_microbatches}"
         parameters[key] = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
         clip[key] = stats["clip_fraction"]
-    torch.testing.assert_close(parameters["gspo/1"], parameters["gspo/4"], atol=1e-6, rtol=0)
-    assert clip["gspo/1"] == pytest.approx(clip["gspo/4"]) and clip["gspo/1"] > 0
-    assert not torch.allclose(parameters["gspo/1"], parameters["ppo/1"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(parameters[f"{loss}/1"], parameters[f"{loss}/4"], atol=1e-6,
+                               rtol=0)
+    assert clip[f"{loss}/1"] == pytest.approx(clip[f"{loss}/4"]) and clip[f"{loss}/1"] > 0
+    assert not torch.allclose(parameters[f"{loss}/1"], parameters["ppo/1"], atol=1e-6, rtol=0)
 
 
 def test_kl_loss_mode_adds_the_kl_term_and_adaptive_kl_moves_the_coefficient(tokenizer):
