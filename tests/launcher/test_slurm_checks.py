@@ -53,7 +53,8 @@ def _dry_run(tmp_path, *overrides):
 @pytest.mark.skipif(not _slurm_reachable(), reason="no SLURM cluster reachable (sinfo)")
 @pytest.mark.parametrize(("overrides", "expected"), [
     (["slurm.gpu_request=gres"], ["Invalid generic resource", "slurm.gpu_request=none"]),
-    (["slurm.gpu_request=none", "n_devices_per_node=4096"],
+    # more tasks than the node has CPUs, each data-parallel rank with a sample of the batch
+    (["slurm.gpu_request=none", "n_devices_per_node=64", "dataset.batch_size=64"],
      ["Requested node configuration is not available", "lower `n_devices_per_node`"]),
     (["slurm.partition=no_such_partition"], ["partition", "set `slurm.partition`"]),
 ])
