@@ -61,6 +61,8 @@ class GenerationExperimentConfig(BaseExperimentConfig):
         ),
     }
 
+    role_enablers: ClassVar[dict[str, str]] = {"rm": "`reward.sources=[model]`"}
+
     model: ModelRoleConfig = help_field(ModelRoleConfig(), "The model to sample from.")
     dataset: DatasetConfig = help_field(
         DatasetConfig(batch_size=16),

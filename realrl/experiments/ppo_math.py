@@ -66,7 +66,7 @@ WEIGHT_VERSIONS_KEY = "packed_weight_versions"  # per token, shifted; -1 before 
 @register_experiment("ppo-math")
 @dataclass
 class PPOMathConfig(BaseExperimentConfig):
-    """PPO-family RL (PPO, GRPO, Dr.GRPO, DAPO, GSPO, RLOO, REINFORCE++, ReMax) on math/code."""
+    """RL (PPO, GRPO, Dr.GRPO, DAPO, GSPO, CISPO, RLOO, REINFORCE++, ReMax) on math/code."""
 
     key_help: ClassVar[dict[str, str]] = {
         "critic.path": linked_path_help("actor", ", with a zero-initialised value head"),
@@ -77,6 +77,11 @@ class PPOMathConfig(BaseExperimentConfig):
         ),
     }
     dataset_kind: ClassVar[DatasetKind] = DatasetKind.prompt
+    role_enablers: ClassVar[dict[str, str]] = {
+        "critic": "`ppo.disable_value=false`",
+        "ref": "`ppo.kl_ctl` > 0",
+        "rm": "`reward.sources=[model]` (`[rule,model]` to sum both)",
+    }
 
     actor: ModelRoleConfig = help_field(
         ModelRoleConfig(optimizer=OptimizerConfig(lr=2e-4)), "The policy."

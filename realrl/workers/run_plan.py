@@ -12,6 +12,7 @@ refreshed from the owner by parameter reallocation when they fall behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -145,5 +146,5 @@ class RunPlan:
 
 def base_settings(config: BaseExperimentConfig) -> BaseExperimentConfig:
     """The common keys of an experiment config, as a plain `BaseExperimentConfig`."""
-    values = {name: getattr(config, name) for name in BaseExperimentConfig.__dataclass_fields__}
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(BaseExperimentConfig)}
     return BaseExperimentConfig(**values)
