@@ -263,6 +263,21 @@ class BatchAssembly(str, enum.Enum):
     finished_first = "finished_first"
 
 
+@dataclass(frozen=True)
+class InertKeys:
+    """Keys that do nothing in the configuration at hand: set away from its default, each is
+    an error (`inert_key_problems`) that says `when` they do nothing and the `fix` that would
+    make them count, e.g. `rollout.*` "with `rollout.mode=sync`", "set rollout.mode=async"."""
+
+    keys: tuple[str, ...]  # dotted keys; one ending in "." covers its whole section
+    when: str
+    fix: str
+
+    def covers(self, key: str) -> bool:
+        return any(key == item or (item.endswith(".") and key.startswith(item))
+                   for item in self.keys)
+
+
 @dataclass
 class RolloutConfig:
     """Synchronous rollouts, or AReaL-style asynchronous (streaming) ones
@@ -342,6 +357,12 @@ class RolloutConfig:
     def is_async(self) -> bool:
         return self.mode == RolloutMode["async"]
 
+    def inert_keys(self, prefix: str) -> list[InertKeys]:
+        if self.is_async:
+            return []
+        return [InertKeys((f"{prefix}.",), f"with `{prefix}.mode=sync` (only asynchronous "
+                          "rollouts read it)", f"set {prefix}.mode=async")]
+
     def validate(self, prefix: str, batch_size: int, pipeline_rollout: bool,
                  rollout_data_parallel: int, filter_drops_groups: bool) -> list[str]:
         """Problems of an async setting, each naming the key, the value and a fix (none for
@@ -413,9 +434,9 @@ class PlanSearchConfig:
 class BaseExperimentConfig:
     """Keys every experiment has. Experiments subclass this and add their own sections."""
 
-    # Per model-role section that a run can leave out of its graph, the setting that puts it
-    # in; named by the error for keys set on a role the run has no model for.
-    role_enablers: ClassVar[dict[str, str]] = {}
+    # Per model-role or MFC section that a run can leave out of its graph, the setting that
+    # puts it in; named by the error for keys set on a section the run does not use.
+    section_enablers: ClassVar[dict[str, str]] = {}
 
     experiment_name: str = help_field("", "Name of the experiment; defaults to the registered name.")
     trial_name: str = help_field("trial0", "Name of this trial; runs of one experiment differ here.")
@@ -606,6 +627,18 @@ class BaseExperimentConfig:
         problems += self.plan.validate("plan")
         return problems
 
+    def inert_keys(self) -> list[InertKeys]:
+        """The keys this configuration never reads (`InertKeys`): what each section's
+        `inert_keys(prefix)` says of its own keys. Model roles without a model, and MFCs
+        outside the graph, are the launch plan's to find
+        (`realrl.launcher.plan.unused_section_problems`)."""
+        rules: list[InertKeys] = []
+        for item in dataclasses.fields(self):
+            section = getattr(self, item.name)
+            if hasattr(section, "inert_keys"):
+                rules += section.inert_keys(item.name)
+        return rules
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output_root) / self.experiment_name / self.trial_name
@@ -687,6 +720,44 @@ def _iter_leaves(config_class: type, prefix: str, section_default: Any) -> Itera
         if isinstance(default, list):  # a list of enums shows its values, as YAML holds them
             default = [item.value if isinstance(item, enum.Enum) else item for item in default]
         yield FieldInfo(key, _type_name(annotation), default, dataclass_field.metadata.get("help", ""))
+
+
+def plain_value(value: Any) -> Any:
+    """`value` as `iter_fields` gives defaults and YAML holds it: enums by their value."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, list):
+        return [item.value if isinstance(item, enum.Enum) else item for item in value]
+    return value
+
+
+def value_text(value: Any) -> str:
+    """`value` as one writes it on the command line: `true`, `null`, `sync`, `[rule,model]`."""
+    value = plain_value(value)
+    if isinstance(value, list):
+        return "[" + ",".join(value_text(item) for item in value) + "]"
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def inert_key_problems(config: BaseExperimentConfig, problems: Sequence[str] = ()) -> list[str]:
+    """One problem per key set away from its default that `config.inert_keys()` says does
+    nothing, accepted silently before (`rollout.max_head_offpolicyness=4` on a synchronous run
+    trained exactly as without it). Keys that `problems` already name are left to those."""
+    rules = config.inert_keys()
+    found = []
+    for info in iter_fields(type(config)) if rules else ():
+        rule = next((rule for rule in rules if rule.covers(info.key)), None)
+        if rule is None or any(f"`{info.key}=" in problem for problem in problems):
+            continue
+        value: Any = config
+        for part in info.key.split("."):
+            value = getattr(value, part)
+        if plain_value(value) != info.default:
+            found.append(f"`{info.key}={value_text(value)}` does nothing {rule.when}; "
+                         f"{rule.fix}, or remove the key.")
+    return found
 
 
 def all_keys(config_class: type) -> list[str]:
@@ -812,6 +883,7 @@ def resolve_config(
         instance.n_devices_per_node = detect_devices_per_node()
     instance.resolve_dtypes()
     problems = instance.validate()
+    problems += inert_key_problems(instance, problems)
     if problems:
         raise ConfigError(problems)
     return instance

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from realrl.api.config import DType, help_field
+from realrl.api.config import DType, InertKeys, help_field
 from realrl.api.dfg import DataflowGraph, MFCDef, MicroBatchSpec
 from realrl.api.lora import LoRAConfig, role_lora_problems
 
@@ -153,6 +153,9 @@ class ModelRoleConfig:
         LoRAConfig(), "LoRA adapters (trained roles): train low-rank factors beside frozen "
         "weights instead of the weights (`realrl.api.lora`)."
     )
+
+    def inert_keys(self, prefix: str) -> list[InertKeys]:
+        return self.lora.inert_keys(f"{prefix}.lora")
 
     def lora_problems(self, prefix: str) -> list[str]:
         """`lora` keys this role cannot run with (`BaseExperimentConfig.validate` asks every

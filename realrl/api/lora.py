@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from realrl.api.config import help_field
+from realrl.api.config import InertKeys, help_field, value_text
 
 if TYPE_CHECKING:
     from realrl.api.allocation import MFCAllocation
@@ -72,6 +72,14 @@ class LoRAConfig:
     @property
     def scaling(self) -> float:
         return self.resolved_alpha / self.rank if self.rank else 0.0
+
+    def inert_keys(self, prefix: str) -> list[InertKeys]:
+        if self.enabled:
+            return []
+        return [InertKeys(tuple(f"{prefix}.{name}" for name in ("alpha", "dropout",
+                                                                "target_modules", "save_merged")),
+                          f"with `{prefix}.rank={value_text(self.rank)}` (no adapter)",
+                          f"set {prefix}.rank > 0")]
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

@@ -20,13 +20,23 @@ import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from realrl.api.config import help_field
+from realrl.api.config import InertKeys, help_field, value_text
 
 
 class RewardSource(str, enum.Enum):
     rule = "rule"
     model = "model"
     remote = "remote"
+
+
+# What puts each reward section in a run's graph (`BaseExperimentConfig.section_enablers`).
+REWARD_SECTION_ENABLERS = {
+    "rew_inf": "`rule` in `reward.sources`",
+    "rm": "`model` in `reward.sources`",
+    "rm_inf": "`model` in `reward.sources`",
+    "remote_inf": "`remote` in `reward.sources`",
+    "reward_sum": "two or more `reward.sources`, or a `reward.<source>.weight` other than 1",
+}
 
 
 class ScoreNormalization(str, enum.Enum):
@@ -119,6 +129,12 @@ class RewardConfig:
         """Whether a `reward_sum` MFC combines the sources: more than one, or one whose weight
         changes its rewards."""
         return len(self.sources) > 1 or any(weight != 1.0 for weight in self.weights().values())
+
+    def inert_keys(self, prefix: str) -> list[InertKeys]:
+        return [InertKeys((f"{prefix}.{source.value}.",),
+                          f"with `{prefix}.sources={value_text(self.sources)}`",
+                          f"add {source.value} to {prefix}.sources")
+                for source in RewardSource if source not in self.sources]
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

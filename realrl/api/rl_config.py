@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from realrl.api.config import help_field
+from realrl.api.config import InertKeys, help_field
 
 
 class GenerationBackend(str, enum.Enum):
@@ -85,6 +85,13 @@ class GenerationHyperparameters:
                 f"`{prefix}.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}` "
                 "must be in (0, 1); try 0.3.")
         return problems
+
+    def inert_keys(self, prefix: str) -> list[InertKeys]:
+        if self.backend == GenerationBackend.vllm:
+            return []
+        return [InertKeys((f"{prefix}.vllm_gpu_memory_utilization",),
+                          f"with `{prefix}.backend={self.backend.value}`",
+                          f"set {prefix}.backend=vllm")]
 
 
 def vllm_config_problems(prefix: str, generation: GenerationHyperparameters, *,
@@ -326,9 +333,50 @@ class PPOHyperparameters:
                 f"`{prefix}.behav_imp_weight_cap={self.behav_imp_weight_cap}` must be > 0 "
                 "(AReaL's default is 5)."
             )
-        if self.prox_logp != "forward" and not self.decoupled_loss:
-            problems.append(
-                f"`{prefix}.prox_logp={self.prox_logp}` only applies to the decoupled loss; set "
-                f"`{prefix}.decoupled_loss=true` or leave `{prefix}.prox_logp=forward`."
-            )
         return problems
+
+    def inert_keys(self, prefix: str) -> list[InertKeys]:
+        """Which of these keys the settings of the others leave unread."""
+        def keys(*names: str) -> tuple[str, ...]:
+            return tuple(f"{prefix}.{name}" for name in names)
+
+        rules = []
+        if self.disable_value:
+            rules.append(InertKeys(keys("value_eps_clip", "value_norm", "value_norm_type",
+                                        "value_norm_beta"),
+                                   f"with `{prefix}.disable_value=true` (no critic)",
+                                   f"set {prefix}.disable_value=false"))
+        elif not self.value_norm:
+            rules.append(InertKeys(keys("value_norm_type", "value_norm_beta"),
+                                   f"with `{prefix}.value_norm=false`",
+                                   f"set {prefix}.value_norm=true"))
+        estimator = f"with `{prefix}.adv_estimator={self.adv_estimator}`"
+        if self.adv_estimator != "gae":
+            rules.append(InertKeys(keys("lam"), f"{estimator} (only gae reads it)",
+                                   f"set {prefix}.adv_estimator=gae"))
+        if self.adv_estimator != "grpo":
+            rules.append(InertKeys(keys("group_std_eps"), f"{estimator} (only grpo divides by "
+                                   "the group's std)", f"set {prefix}.adv_estimator=grpo"))
+        if self.kl_ctl == 0:
+            rules.append(InertKeys(keys("kl_estimator", "kl_clamp", "use_kl_loss",
+                                        "adaptive_kl_target", "adaptive_kl_horizon"),
+                                   f"with `{prefix}.kl_ctl=0` (no KL term, no reference model)",
+                                   f"set {prefix}.kl_ctl > 0"))
+        elif self.adaptive_kl_target is None:
+            rules.append(InertKeys(keys("adaptive_kl_horizon"),
+                                   f"with `{prefix}.adaptive_kl_target=null` (a fixed "
+                                   f"{prefix}.kl_ctl)", f"set {prefix}.adaptive_kl_target"))
+        if self.overlong_buffer_len == 0:
+            rules.append(InertKeys(keys("overlong_penalty_factor"),
+                                   f"with `{prefix}.overlong_buffer_len=0` (no overlong shaping)",
+                                   f"set {prefix}.overlong_buffer_len > 0"))
+        if not self.dynamic_sampling:
+            rules.append(InertKeys(keys("max_generation_rounds"),
+                                   f"with `{prefix}.dynamic_sampling=false`",
+                                   f"set {prefix}.dynamic_sampling=true"))
+        if not self.decoupled_loss:
+            rules.append(InertKeys(keys("prox_logp", "behav_imp_weight_level",
+                                        "behav_imp_weight_mode", "behav_imp_weight_cap"),
+                                   f"with `{prefix}.decoupled_loss=false`",
+                                   f"set {prefix}.decoupled_loss=true"))
+        return rules

@@ -32,7 +32,7 @@ from realrl.api.experiment import (
     linked_path_help,
 )
 from realrl.api.registry import register_experiment
-from realrl.api.reward_config import RewardConfig, RewardSource
+from realrl.api.reward_config import REWARD_SECTION_ENABLERS, RewardConfig, RewardSource
 from realrl.api.rl_config import GenerationHyperparameters, vllm_config_problems
 from realrl.experiments.reward_graph import reward_mfcs, reward_roles
 from realrl.interfaces.configs import GenerationConfig
@@ -61,7 +61,7 @@ class GenerationExperimentConfig(BaseExperimentConfig):
         ),
     }
 
-    role_enablers: ClassVar[dict[str, str]] = {"rm": "`reward.sources=[model]`"}
+    section_enablers: ClassVar[dict[str, str]] = REWARD_SECTION_ENABLERS
 
     model: ModelRoleConfig = help_field(ModelRoleConfig(), "The model to sample from.")
     dataset: DatasetConfig = help_field(

@@ -43,7 +43,7 @@ from realrl.api.experiment import (
     linked_path_help,
 )
 from realrl.api.registry import register_experiment
-from realrl.api.reward_config import RewardConfig, RewardSource
+from realrl.api.reward_config import REWARD_SECTION_ENABLERS, RewardConfig, RewardSource
 from realrl.api.rl_config import (
     GROUP_ESTIMATORS,
     GenerationHyperparameters,
@@ -77,11 +77,9 @@ class PPOMathConfig(BaseExperimentConfig):
         ),
     }
     dataset_kind: ClassVar[DatasetKind] = DatasetKind.prompt
-    role_enablers: ClassVar[dict[str, str]] = {
-        "critic": "`ppo.disable_value=false`",
-        "ref": "`ppo.kl_ctl` > 0",
-        "rm": "`reward.sources=[model]` (`[rule,model]` to sum both)",
-    }
+    section_enablers: ClassVar[dict[str, str]] = REWARD_SECTION_ENABLERS | {
+        section: "`ppo.disable_value=false`" for section in ("critic", "critic_inf", "critic_train")
+    } | {"ref": "`ppo.kl_ctl` > 0", "ref_inf": "`ppo.kl_ctl` > 0"}
 
     actor: ModelRoleConfig = help_field(
         ModelRoleConfig(optimizer=OptimizerConfig(lr=2e-4)), "The policy."

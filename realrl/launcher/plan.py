@@ -21,9 +21,16 @@ from realrl.api.allocation import (
     validate_model_divisibility,
 )
 from realrl.api.allocation_mode import parse_allocation_mode
-from realrl.api.config import BaseExperimentConfig, ConfigError, LaunchMode
+from realrl.api.config import (
+    BaseExperimentConfig,
+    ConfigError,
+    LaunchMode,
+    iter_fields,
+    plain_value,
+    value_text,
+)
 from realrl.api.dfg import DataflowGraph, MFCKind
-from realrl.api.experiment import ExperimentSpec, ModelKind, ModelRoleConfig
+from realrl.api.experiment import ExperimentSpec, MFCConfig, ModelKind, ModelRoleConfig
 from realrl.api.lora import lora_plan_problems
 from realrl.api.rl_config import GenerationBackend, GenerationHyperparameters
 from realrl.api.vllm_build import (
@@ -190,67 +197,60 @@ def logged_key_problems(config: BaseExperimentConfig, graph: DataflowGraph) -> l
     return problems
 
 
-def _changed_keys(value, default, prefix: str) -> dict[str, object]:
-    """The leaves of dataclass `value` that differ from `default`'s, by dotted key."""
-    changed: dict[str, object] = {}
-    for item in dataclasses.fields(value):
-        mine, theirs = getattr(value, item.name), getattr(default, item.name)
-        key = f"{prefix}.{item.name}"
-        if dataclasses.is_dataclass(mine):
-            changed |= _changed_keys(mine, theirs, key)
-        elif mine != theirs:
-            changed[key] = mine
-    return changed
-
-
-def _config_text(value) -> str:
-    value = getattr(value, "value", value)
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _resolved_keys(config: BaseExperimentConfig, section: str,
-                   changed: dict[str, object]) -> dict[str, object]:
+def _resolved_keys(config: BaseExperimentConfig, section: str, path_set: bool) -> dict[str, object]:
     """The values the launcher fills an unset `<section>.path` and `.dtype` with
     (`resolve_model_paths`, `resolve_dtypes`), which a saved config.yaml also holds."""
     source = config.model_path_links().get(section)
     if source is not None:
         linked = getattr(config, source)
-        return {f"{section}.path": linked.path, f"{section}.dtype": linked.dtype}
-    resolved: dict[str, object] = {f"{section}.dtype": config.dtype}
-    if f"{section}.path" in changed:  # the default model may be built on first ask
+        return {f"{section}.path": linked.path, f"{section}.dtype": plain_value(linked.dtype)}
+    resolved: dict[str, object] = {f"{section}.dtype": plain_value(config.dtype)}
+    if path_set:  # the default model may be built on first ask
         resolved[f"{section}.path"] = str(default_model_path(config, section))
     return resolved
 
 
-def unused_role_key_problems(config: BaseExperimentConfig, spec: ExperimentSpec) -> list[str]:
-    """Role keys set away from their defaults that would do nothing, accepted silently before:
-    any key of a role this run has no model for (e.g. `rm.path` while `reward.sources` has no
-    `model`: the rewards would still be the rule's), and the training-only keys
-    (`<role>.optimizer.*`, `<role>.gradient_checkpointing`) of a role that does not train."""
+def unused_section_problems(config: BaseExperimentConfig, spec: ExperimentSpec,
+                            graph: DataflowGraph) -> list[str]:
+    """Keys set away from their defaults that would do nothing, accepted silently before: any
+    key of a model role this run has no model for (e.g. `rm.path` while `reward.sources` has no
+    `model`: the rewards would still be the rule's) or of an MFC its graph leaves out, and the
+    training-only keys (`<role>.optimizer.*`, `<role>.gradient_checkpointing`) of a role that
+    does not train. The settings each `inert_keys()` rules out are `inert_key_problems`'."""
+    kinds = {item.name: type(getattr(config, item.name)) for item in dataclasses.fields(config)}
+    changed: dict[str, dict[str, object]] = {}
+    for info in iter_fields(type(config)):
+        section = info.key.split(".")[0]
+        if kinds[section] in (ModelRoleConfig, MFCConfig):
+            value: object = config
+            for part in info.key.split("."):
+                value = getattr(value, part)
+            if plain_value(value) != info.default:
+                changed.setdefault(section, {})[info.key] = value
     problems = []
-    for item in dataclasses.fields(config):
-        if item.default_factory is dataclasses.MISSING:
-            continue
-        default = item.default_factory()
-        if not isinstance(default, ModelRoleConfig):
-            continue
-        section = item.name
-        changed = _changed_keys(getattr(config, section), default, section)
-        for key, value in _resolved_keys(config, section, changed).items():
-            if changed.get(key) == value:  # filled by the launcher, not set by the user
-                del changed[key]
-        model = spec.models.get("default" if section == "model" else section)
-        if model is None:
-            enabler = type(config).role_enablers.get(section)
-            hint = f", or give the run one: {enabler}" if enabler else ""
-            problems += [f"`{key}={_config_text(value)}`: this run has no `{section}` model (no "
+    for section, keys in changed.items():
+        if kinds[section] is ModelRoleConfig:
+            resolved = _resolved_keys(config, section, f"{section}.path" in keys)
+            keys = {key: value for key, value in keys.items()
+                    if key not in resolved or plain_value(value) != resolved[key]}
+            model = spec.models.get("default" if section == "model" else section)
+        else:
+            model = None
+        enabler = type(config).section_enablers.get(section)
+        hint = f", or give the run one: {enabler}" if enabler else ""
+        if kinds[section] is MFCConfig and section not in graph.mfcs:
+            problems += [f"`{key}={value_text(value)}`: this run's graph has no MFC `{section}`, "
+                         f"so the key would do nothing; remove it{hint}."
+                         for key, value in keys.items()]
+        elif kinds[section] is ModelRoleConfig and model is None:
+            problems += [f"`{key}={value_text(value)}`: this run has no `{section}` model (no "
                          f"MFC uses one), so the key would do nothing; remove it{hint}."
-                         for key, value in changed.items()]
-        elif not model.trainable:
-            problems += [f"`{key}={_config_text(value)}`: `{section}` does not train in this run "
+                         for key, value in keys.items()]
+        elif model is not None and not model.trainable:
+            problems += [f"`{key}={value_text(value)}`: `{section}` does not train in this run "
                          "(no backward or optimizer step runs on it), so the key would do "
                          "nothing; remove it."
-                         for key, value in changed.items()
+                         for key, value in keys.items()
                          if key.startswith(f"{section}.optimizer.")
                          or key == f"{section}.gradient_checkpointing"]
     return problems
@@ -448,7 +448,7 @@ def build_plan(config: BaseExperimentConfig) -> LaunchPlan:
     problems += lora_plan_problems(spec, graph, allocations)
     problems += data_parallel_problems(graph, allocations)
     problems += logged_key_problems(config, graph)
-    problems += unused_role_key_problems(config, spec)
+    problems += unused_section_problems(config, spec, graph)
     if problems:
         raise ConfigError(problems)
     workers = []

@@ -232,7 +232,11 @@ def test_config_validation_names_the_off_policy_keys():
     for key in ("ppo.prox_logp=recompute", "ppo.behav_imp_weight_level=seq",
                 "ppo.behav_imp_weight_mode=truncate", "ppo.behav_imp_weight_cap=-1.0"):
         assert key in text
-    interpolate = rl_config.PPOHyperparameters(prox_logp="interpolate").validate("ppo")
-    assert any("ppo.decoupled_loss=true" in p for p in interpolate)
+    # Without the decoupled loss the proximal and behaviour keys are unread (`inert_keys`).
+    (rule,) = [rule for rule in rl_config.PPOHyperparameters().inert_keys("ppo")
+               if rule.covers("ppo.prox_logp")]
+    assert rule.covers("ppo.behav_imp_weight_cap") and rule.fix == "set ppo.decoupled_loss=true"
+    assert not any(rule.covers("ppo.prox_logp") for rule in rl_config.PPOHyperparameters(
+        decoupled_loss=True).inert_keys("ppo"))
     assert rl_config.PPOHyperparameters(decoupled_loss=True, prox_logp="interpolate").validate(
         "ppo") == []

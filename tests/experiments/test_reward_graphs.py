@@ -172,5 +172,7 @@ def test_a_remote_token_variable_missing_at_launch_is_refused_before_any_process
         "run, or set reward.remote.token_env= (empty) for a service without authentication"]
     monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", "t0ken")
     assert remote_token_problems(config) == []
-    without_remote = resolve_config(PPOMathConfig, ["reward.remote.token_env=UNSET_VARIABLE"])
-    assert remote_token_problems(without_remote) == []  # no remote source: nothing to send
+    # No remote source: nothing would send the token, and the key is refused as unread.
+    with pytest.raises(ConfigError, match=r"`reward.remote.token_env=UNSET_VARIABLE` does "
+                       r"nothing with `reward.sources=\[rule\]`; add remote to reward.sources"):
+        resolve_config(PPOMathConfig, ["reward.remote.token_env=UNSET_VARIABLE"])
