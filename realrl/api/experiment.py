@@ -258,6 +258,14 @@ class DatasetConfig:
             return BUILTIN_EVAL_SIZE
         return self.builtin_train_size
 
+    def inert_keys(self, prefix: str) -> list[InertKeys]:
+        if not self.path:
+            return []
+        return [InertKeys(tuple(f"{prefix}.{name}" for name in ("builtin_train_size",
+                                                                "builtin_split", "builtin_task")),
+                          f"with `{prefix}.path` set (the built-in data is not read)",
+                          f"empty {prefix}.path")]
+
     def validate(self, prefix: str) -> list[str]:
         problems = []
         if self.batch_size < 1:

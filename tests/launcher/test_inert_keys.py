@@ -115,6 +115,11 @@ def test_keys_the_other_settings_leave_unread_are_errors(tmp_path):
     assert problem == ("`model.lora.alpha=32.0` does nothing with `model.lora.rank=0` (no "
                        "adapter); set model.lora.rank > 0, or remove the key.")
     resolve_config(get_experiment("sft").config_class, ["model.lora.rank=8", "model.lora.alpha=32"])
+    # The built-in data's keys with a dataset file.
+    (problem,) = _config_problems(tmp_path, "sft", ["dataset.path=/data/sft.jsonl",
+                                                    "dataset.builtin_train_size=64"])
+    assert problem.startswith("`dataset.builtin_train_size=64` does nothing with `dataset.path` "
+                              "set (the built-in data is not read); empty dataset.path")
     # gen scores nothing by default: every reward source's keys wait for reward.sources.
     (problem,) = _config_problems(tmp_path, "gen", ["reward.rule.math_timeout_s=9"])
     assert "with `reward.sources=[]`; add rule to reward.sources" in problem
