@@ -134,7 +134,12 @@ class RewardConfig:
         return [InertKeys((f"{prefix}.{source.value}.",),
                           f"with `{prefix}.sources={value_text(self.sources)}`",
                           f"add {source.value} to {prefix}.sources")
-                for source in RewardSource if source not in self.sources]
+                for source in RewardSource if source not in self.sources] + (
+            [InertKeys((f"{prefix}.model.offset", f"{prefix}.model.scale"),
+                       f"with `{prefix}.model.normalize={self.model.normalize.value}`",
+                       f"set {prefix}.model.normalize=fixed")]
+            if RewardSource.model in self.sources
+            and self.model.normalize != ScoreNormalization.fixed else [])
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

@@ -123,6 +123,13 @@ def test_keys_the_other_settings_leave_unread_are_errors(tmp_path):
     # gen scores nothing by default: every reward source's keys wait for reward.sources.
     (problem,) = _config_problems(tmp_path, "gen", ["reward.rule.math_timeout_s=9"])
     assert "with `reward.sources=[]`; add rule to reward.sources" in problem
+    # A reward model's fixed normalisation with another normalisation.
+    (problem,) = _config_problems(tmp_path, "ppo-math", ["reward.sources=[model]",
+                                                         "rm.path=/models/rm",
+                                                         "reward.model.normalize=running",
+                                                         "reward.model.offset=0.5"])
+    assert problem == ("`reward.model.offset=0.5` does nothing with `reward.model.normalize="
+                       "running`; set reward.model.normalize=fixed, or remove the key.")
 
 
 def test_the_settings_that_read_those_keys_accept_them(tmp_path):
@@ -132,6 +139,7 @@ def test_the_settings_that_read_those_keys_accept_them(tmp_path):
         "ppo.lam=0.9", "ppo.value_norm=true", "ppo.value_norm_beta=0.9", "ppo.kl_estimator=k3",
         "ppo.adaptive_kl_target=0.1", "ppo.adaptive_kl_horizon=100", "ppo.decoupled_loss=true",
         "ppo.behav_imp_weight_mode=clamp", "reward.sources=[rule,model]", "reward.model.clip=5",
+        "reward.model.normalize=fixed", "reward.model.offset=0.5", "reward.model.scale=2",
         "rm.path=/models/rm"])
     # A bad value is named once, by the check of its value, not again as unread.
     (problem,) = _config_problems(tmp_path, "ppo-math", ["ppo.behav_imp_weight_mode=truncate"])
